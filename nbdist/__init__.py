@@ -1,0 +1,65 @@
+"""nbdist: a notebook as the control room of a cluster of PyTorch ranks.
+
+Client side (the notebook kernel) imports nothing heavy here; rank-side helpers such as
+``nbdist.log`` and ``nbdist.prepare`` are resolved lazily so that ``import nbdist`` stays cheap.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from nbdist._version import __version__
+
+
+class NbdistWarning(UserWarning):
+    """Warnings raised by nbdist itself (tests turn these into errors)."""
+
+
+# public name -> module that defines it (imported on first access)
+_LAZY: dict[str, str] = {
+    "Cluster": "nbdist.cluster",
+    "CellResult": "nbdist.runner",
+    "DistributedCellError": "nbdist.errors",
+    "NbdistError": "nbdist.errors",
+    "NbdistConfig": "nbdist.config",
+    "log": "nbdist.worker.metrics",
+    "prepare": "nbdist.strategies",
+    "save_checkpoint": "nbdist.strategies.checkpoint",
+    "load_checkpoint": "nbdist.strategies.checkpoint",
+    "consolidate_checkpoint": "nbdist.strategies.checkpoint",
+    "memory_breakdown": "nbdist.memory",
+    "estimate_memory": "nbdist.memory",
+    "compare_strategies": "nbdist.memory",
+    "advise": "nbdist.advisor",
+}
+
+__all__ = ["__version__", "NbdistWarning", "load_ipython_extension", *_LAZY]
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbdist.cluster import Cluster
+    from nbdist.config import NbdistConfig
+    from nbdist.errors import DistributedCellError, NbdistError
+    from nbdist.runner import CellResult
+
+
+def __getattr__(name: str) -> Any:
+    module_name = _LAZY.get(name)
+    if module_name is None:
+        raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module_name), name)
+    globals()[name] = value
+    return value
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext nbdist``: register the magics."""
+    from nbdist.magics import register_magics
+
+    register_magics(ipython)
+
+
+def unload_ipython_extension(ipython: Any) -> None:
+    from nbdist.magics import unregister_magics
+
+    unregister_magics(ipython)

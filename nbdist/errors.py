@@ -1,0 +1,30 @@
+"""Exceptions nbdist raises in the notebook: each says what happened and what to do next."""
+
+from __future__ import annotations
+
+
+class NbdistError(RuntimeError):
+    """Base class for nbdist's own errors (bad arguments, cluster state, start failures)."""
+
+
+class ClusterNotRunningError(NbdistError):
+    """A cell or command needs a running cluster and there is none."""
+
+
+class ClusterStartError(NbdistError):
+    """The controller or engines did not come up; the message carries their log tail."""
+
+
+class DistributedCellError(NbdistError):
+    """A distributed cell failed on one or more ranks.
+
+    ``result`` is the full :class:`nbdist.runner.CellResult` (per-rank outputs, errors, report).
+    """
+
+    def __init__(self, message: str, result: object) -> None:
+        super().__init__(message)
+        self.result = result
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of nbdist's own frames: the user's remote traceback matters.
+        return str(self).splitlines()

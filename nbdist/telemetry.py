@@ -1,0 +1,58 @@
+"""Notebook-side fan-out of rank telemetry to whoever listens (dashboards, tests, benchmarks).
+
+The runner calls :meth:`TelemetryHub.publish` on the notebook's main thread for every ``nbdist``
+payload a rank sends (see ``nbdist.worker.agent``), and :meth:`TelemetryHub.rank_state` when the
+cluster learns a rank died or came back. A listener that raises is reported once and dropped from
+that call only: the dashboard path never breaks a cell.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any, Protocol
+
+
+class TelemetryListener(Protocol):
+    def on_telemetry(self, rank: int, payload: dict[str, Any]) -> None: ...
+
+    def on_rank_state(self, rank: int, state: str, detail: str) -> None: ...
+
+
+class TelemetryHub:
+    def __init__(self) -> None:
+        self._listeners: list[TelemetryListener] = []
+        self._reported: set[tuple[int, str]] = set()
+        self.last_payload: dict[int, dict[str, Any]] = {}
+        self.cell_has_metrics = False
+
+    def subscribe(self, listener: TelemetryListener) -> None:
+        if listener not in self._listeners:
+            self._listeners.append(listener)
+
+    def unsubscribe(self, listener: TelemetryListener) -> None:
+        if listener in self._listeners:
+            self._listeners.remove(listener)
+
+    @property
+    def listeners(self) -> list[TelemetryListener]:
+        return list(self._listeners)
+
+    def publish(self, rank: int, payload: dict[str, Any]) -> None:
+        self.last_payload[rank] = payload
+        if payload.get("metrics"):
+            self.cell_has_metrics = True
+        for listener in list(self._listeners):
+            self._call(listener, "on_telemetry", rank, payload)
+
+    def rank_state(self, rank: int, state: str, detail: str = "") -> None:
+        for listener in list(self._listeners):
+            self._call(listener, "on_rank_state", rank, state, detail)
+
+    def _call(self, listener: TelemetryListener, method: str, *args: Any) -> None:
+        try:
+            getattr(listener, method)(*args)
+        except Exception as exc:
+            key = (id(listener), method)
+            if key not in self._reported:
+                self._reported.add(key)
+                print(f"nbdist: dashboard listener failed ({exc!r}); the cell goes on", file=sys.stderr)
