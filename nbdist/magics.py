@@ -1,0 +1,243 @@
+"""The IPython magics: parse arguments, call Cluster / run_cell, display. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+
+from nbdist.cluster import Cluster
+from nbdist.config import DEFAULT
+from nbdist.display import NotebookSink
+from nbdist.errors import NbdistError
+from nbdist.ranks import parse_ranks
+
+_CURRENT: Cluster | None = None
+
+
+def current_cluster() -> Cluster | None:
+    return _CURRENT
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:  # argparse would exit the kernel
+        raise UsageError(f"{self.prog}: {message}\nusage: {self.format_usage().strip()}")
+
+
+def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
+    try:
+        return parser.parse_args(shlex.split(line))
+    except ValueError as exc:
+        raise UsageError(f"{parser.prog}: {exc}") from None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
+    return value
+
+
+START = _Parser(prog="%dist_start", add_help=False)
+START.add_argument("-n", type=_positive_int, default=None, help="number of ranks")
+START.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
+START.add_argument("--gpus-per-rank", type=int, default=1)
+START.add_argument("--threads", type=_positive_int, default=None)
+START.add_argument("--timeout", type=_positive_float, default=None,
+                   help="default deadline for every %%distributed cell")
+
+CELL = _Parser(prog="%%distributed", add_help=False)
+CELL.add_argument("--ranks", default=None)
+CELL.add_argument("--timeout", type=_positive_float, default=None)
+CELL.add_argument("--rank0", action="store_true")
+CELL.add_argument("--setup", action="store_true", help="re-run this cell after %dist_restart")
+
+PULL = _Parser(prog="%dist_pull", add_help=False)
+PULL.add_argument("name")
+PULL.add_argument("--ranks", default=None)
+
+
+@magics_class
+class DistMagics(Magics):
+    def _cluster(self) -> Cluster:
+        if _CURRENT is None or not _CURRENT.running:
+            raise UsageError(
+                "no cluster is running: run %dist_start first (e.g. %dist_start -n 2)"
+            )
+        return _CURRENT
+
+    @line_magic
+    def dist_start(self, line: str) -> None:
+        """%dist_start [-n N] [--backend auto|nccl|gloo] [--gpus-per-rank K] [--threads T] [--timeout S]"""
+        global _CURRENT
+        args = _parse(START, line)
+        if _CURRENT is not None and _CURRENT.running:
+            print("nbdist: a cluster is already running; not starting a second one "
+                  "(use %dist_stop first, or %dist_restart)")
+            print(_CURRENT.status())
+            return
+        config = DEFAULT if args.timeout is None else DEFAULT.replace(cell_timeout=args.timeout)
+        try:
+            cluster = Cluster(n=args.n, backend=args.backend, gpus_per_rank=args.gpus_per_rank,
+                              threads=args.threads, config=config)
+            cluster.start(progress=lambda msg: print(f"nbdist: {msg}", flush=True))
+        except NbdistError as exc:
+            raise UsageError(f"%dist_start failed: {exc}\nNothing is left running.") from None
+        _CURRENT = cluster
+        status = cluster.status()
+        print(f"nbdist: {cluster.world_size} rank(s) ready ({cluster.backend}) in "
+              f"{cluster.start_seconds:.1f} s; first all_reduce ok on every rank")
+        print(status.table())
+
+    @cell_magic
+    def distributed(self, line: str, cell: str) -> None:
+        """%%distributed [--ranks 0,2-3] [--timeout S] [--rank0] [--setup]"""
+        args = _parse(CELL, line)
+        cluster = self._cluster()
+        ranks = None if args.ranks is None else _ranks(args.ranks, cluster.world_size)
+        if args.setup:
+            cluster.mark_setup_cell(cell)
+        sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
+        try:
+            result = cluster.run(cell, ranks=ranks, timeout=args.timeout, sink=sink)
+        except NbdistError as exc:
+            raise UsageError(str(exc)) from None
+        sink.flush()
+        if sink.dashboard is not None and hasattr(sink.dashboard, "finalize"):
+            try:
+                sink.dashboard.finalize()
+            except Exception:
+                pass
+        self.shell.user_ns["_dist_result"] = result
+        if result.errors:
+            result.raise_for_errors()
+        sink.show_values(result)
+        for action in result.actions:
+            print(f"nbdist: {action}")
+
+    @line_magic
+    def dist_status(self, line: str) -> Any:
+        """%dist_status: ranks, hosts, PIDs, devices, states."""
+        if _CURRENT is None:
+            print("nbdist: no cluster running (start one with %dist_start)")
+            return None
+        return _CURRENT.status()
+
+    @line_magic
+    def dist_stop(self, line: str) -> None:
+        """%dist_stop: stop every process nbdist started, by PID."""
+        global _CURRENT
+        if _CURRENT is None or not _CURRENT.running:
+            print("nbdist: no cluster running")
+            _CURRENT = None
+            return
+        started = time.perf_counter()
+        pids = _CURRENT.stop()
+        _CURRENT = None
+        print(f"nbdist: stopped {len(pids)} process(es) in {time.perf_counter() - started:.1f} s "
+              f"(PIDs {', '.join(map(str, pids))})")
+
+    @line_magic
+    def dist_restart(self, line: str) -> None:
+        """%dist_restart: same ranks, new engine processes, new process group."""
+        cluster = _CURRENT
+        if cluster is None:
+            raise UsageError("no cluster to restart: run %dist_start first")
+        old = {p.spec.rank: p.pid for p in cluster.ranks}
+        cluster.restart(progress=lambda msg: print(f"nbdist: {msg}", flush=True))
+        print(f"nbdist: restarted {cluster.world_size} rank(s) in {cluster.start_seconds:.1f} s "
+              f"(process group generation {cluster.generation}; old PIDs {sorted(old.values())})")
+        print(cluster.status().table())
+
+    @line_magic
+    def dist_dashboard(self, line: str) -> Any:
+        """%dist_dashboard: show the live per-rank memory and metrics dashboard."""
+        return self._cluster().dashboard()
+
+    @line_magic
+    def dist_push(self, line: str) -> None:
+        """%dist_push NAME [NAME ...] | %dist_push name=expr: send values to every rank."""
+        cluster = self._cluster()
+        if not line.strip():
+            raise UsageError("%dist_push needs names (x y) or name=expression")
+        values: dict[str, Any] = {}
+        for item in shlex.split(line):
+            if "=" in item:
+                name, expr = item.split("=", 1)
+                values[name.strip()] = self.shell.ev(expr)
+            elif item in self.shell.user_ns:
+                values[item] = self.shell.user_ns[item]
+            else:
+                raise UsageError(f"%dist_push: {item!r} is not defined in the notebook")
+        for name in values:
+            if not name.isidentifier():
+                raise UsageError(f"%dist_push: {name!r} is not a valid name")
+        cluster.push(values)
+        print(f"nbdist: pushed {', '.join(values)} to {cluster.world_size} rank(s)")
+
+    @line_magic
+    def dist_pull(self, line: str) -> dict[int, Any]:
+        """%dist_pull NAME [--ranks R]: {rank: value} (tensors arrive on CPU)."""
+        args = _parse(PULL, line)
+        cluster = self._cluster()
+        ranks = None if args.ranks is None else _ranks(args.ranks, cluster.world_size)
+        try:
+            return cluster.pull(args.name, ranks=ranks)
+        except NbdistError as exc:
+            raise UsageError(str(exc)) from None
+
+    @line_magic
+    def autodist(self, line: str) -> None:
+        """%autodist on|off: send every following cell to the ranks."""
+        choice = line.strip().lower()
+        if choice not in ("on", "off"):
+            raise UsageError("%autodist takes on or off")
+        transformers = self.shell.input_transformers_post
+        if choice == "on":
+            if _autodist_transform not in transformers:
+                transformers.append(_autodist_transform)
+            print("nbdist: autodist on: every cell now runs on the ranks (%autodist off to stop)")
+        else:
+            if _autodist_transform in transformers:
+                transformers.remove(_autodist_transform)
+            print("nbdist: autodist off")
+
+
+def _ranks(text: str, world_size: int) -> list[int]:
+    try:
+        return parse_ranks(text, world_size)
+    except NbdistError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def _autodist_transform(lines: list[str]) -> list[str]:
+    first = next((ln for ln in lines if ln.strip()), "")
+    if not first or first.lstrip().startswith("%") or first.lstrip().startswith("!"):
+        return lines
+    return ["%%distributed\n", *lines]
+
+
+def register_magics(ipython: Any) -> None:
+    ipython.register_magics(DistMagics)
+
+
+def unregister_magics(ipython: Any) -> None:
+    if _autodist_transform in ipython.input_transformers_post:
+        ipython.input_transformers_post.remove(_autodist_transform)

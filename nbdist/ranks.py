@@ -1,0 +1,174 @@
+"""Who is which rank: pure functions from the engines that registered to ranks, devices and env.
+
+Nothing here talks to a process. Engine ids change across restarts, so ranks are derived from
+(host, a stable per-host slot) and never from engine ids.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nbdist.errors import NbdistError
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What an engine reported about itself before it got a rank."""
+
+    engine_id: int
+    host: str
+    pid: int
+    gpu_count: int = 0
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one rank needs to set itself up (sent to the engine by the bootstrap)."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    host: str
+    engine_id: int
+    backend: str
+    gpus: tuple[int, ...] = field(default_factory=tuple)
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.gpus[0]}" if self.gpus else "cpu"
+
+    def env(self, master_addr: str, master_port: int) -> dict[str, str]:
+        """The torchrun-compatible environment of this rank."""
+        env = {
+            "RANK": str(self.rank),
+            "LOCAL_RANK": str(self.local_rank),
+            "WORLD_SIZE": str(self.world_size),
+            "LOCAL_WORLD_SIZE": str(self.local_world_size),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port),
+        }
+        return env
+
+
+def parse_ranks(text: str, world_size: int) -> list[int]:
+    """Parse a rank selection such as ``"0,2-3"`` into a sorted list, checking bounds."""
+    selected: set[int] = set()
+    cleaned = text.strip()
+    if not cleaned:
+        raise NbdistError("--ranks is empty: give ranks like 0,2-3")
+    for part in cleaned.split(","):
+        part = part.strip()
+        try:
+            if "-" in part:
+                first_text, last_text = part.split("-", 1)
+                first, last = int(first_text), int(last_text)
+                if last < first:
+                    raise NbdistError(f"--ranks range {part!r} runs backwards: write {last}-{first}")
+                selected.update(range(first, last + 1))
+            else:
+                selected.add(int(part))
+        except ValueError:
+            raise NbdistError(
+                f"--ranks {text!r}: {part!r} is not a rank or a range like 2-3"
+            ) from None
+    out_of_range = sorted(r for r in selected if r < 0 or r >= world_size)
+    if out_of_range:
+        raise NbdistError(
+            f"--ranks {text!r}: rank(s) {out_of_range} do not exist "
+            f"(this cluster has ranks 0-{world_size - 1})"
+        )
+    return sorted(selected)
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    if not ranks:
+        return ""
+    ordered = sorted(ranks)
+    parts: list[str] = []
+    start = prev = ordered[0]
+    for r in ordered[1:]:
+        if r == prev + 1:
+            prev = r
+            continue
+        parts.append(f"{start}-{prev}" if prev > start else str(start))
+        start = prev = r
+    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    return ",".join(parts)
+
+
+def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) -> str:
+    """'auto' -> nccl when every rank can have its own GPU(s), else gloo; explicit choices checked."""
+    if requested not in ("auto", "nccl", "gloo"):
+        raise NbdistError(f"--backend {requested!r}: choose auto, nccl or gloo")
+    have_gpus = bool(gpu_counts) and all(count > 0 for count in gpu_counts)
+    if requested == "nccl" and not have_gpus:
+        raise NbdistError(
+            "--backend nccl needs a CUDA GPU on every rank's host, and torch sees none here. "
+            "Use --backend gloo (CPU ranks) or start on a machine with GPUs."
+        )
+    if requested == "auto":
+        return "nccl" if have_gpus and gpus_per_rank > 0 else "gloo"
+    return requested
+
+
+def build_rank_map(
+    engines: list[EngineInfo],
+    backend: str,
+    gpus_per_rank: int = 1,
+    host_order: list[str] | None = None,
+) -> list[RankSpec]:
+    """Group engines by host (first-seen or given order), order within a host by engine id.
+
+    With GPUs, local rank r on a host owns GPUs r*k ... r*k+k-1 (k = gpus_per_rank).
+    """
+    if not engines:
+        raise NbdistError("no engines registered: nothing to give ranks to")
+    hosts: list[str] = list(host_order or [])
+    for engine in engines:
+        if engine.host not in hosts:
+            hosts.append(engine.host)
+    by_host: dict[str, list[EngineInfo]] = {h: [] for h in hosts}
+    for engine in engines:
+        by_host[engine.host].append(engine)
+
+    use_gpus = backend == "nccl" or (
+        gpus_per_rank > 0 and all(e.gpu_count > 0 for e in engines)
+    )
+    specs: list[RankSpec] = []
+    world_size = len(engines)
+    for host in hosts:
+        members = sorted(by_host[host], key=lambda e: e.engine_id)
+        for local_rank, engine in enumerate(members):
+            gpus: tuple[int, ...] = ()
+            if use_gpus and gpus_per_rank > 0:
+                needed = len(members) * gpus_per_rank
+                if needed > engine.gpu_count:
+                    raise NbdistError(
+                        f"host {host}: {len(members)} ranks x {gpus_per_rank} GPU(s) per rank "
+                        f"needs {needed} GPUs, but {engine.gpu_count} are visible. "
+                        f"Start fewer ranks (-n {max(engine.gpu_count // gpus_per_rank, 1)}) "
+                        f"or lower --gpus-per-rank."
+                    )
+                first = local_rank * gpus_per_rank
+                gpus = tuple(range(first, first + gpus_per_rank))
+            specs.append(
+                RankSpec(
+                    rank=len(specs),
+                    local_rank=local_rank,
+                    world_size=world_size,
+                    local_world_size=len(members),
+                    host=host,
+                    engine_id=engine.engine_id,
+                    backend=backend,
+                    gpus=gpus,
+                )
+            )
+    return specs
+
+
+def default_threads(cpu_count: int, local_world_size: int) -> int:
+    """Cores divided by the ranks on this host, at least one."""
+    return max(1, cpu_count // max(1, local_world_size))

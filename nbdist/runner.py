@@ -1,0 +1,297 @@
+"""Run one cell on a set of ranks: dispatch, live output, results, errors — no IPython imports.
+
+Output and telemetry arrive on ipyparallel's IO thread; callbacks only enqueue them, and the
+caller's thread (the notebook's main thread) renders them, watches deadlines and dead ranks, and
+applies the fault policy in ``nbdist.faults``.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from nbdist import faults
+from nbdist.result import CellResult, RankError
+from nbdist.worker.agent import TELEMETRY_KEY
+
+if TYPE_CHECKING:
+    from nbdist.cluster import Cluster
+
+__all__ = ["CellResult", "OutputSink", "NullSink", "run_cell"]
+
+
+class OutputSink(Protocol):
+    """Where live output goes while a cell runs (the magic renders it; tests record it)."""
+
+    def on_stream(self, rank: int, name: str, text: str) -> None: ...
+
+    def on_display(self, rank: int, content: dict[str, Any]) -> None: ...
+
+    def on_telemetry(self, rank: int, payload: dict[str, Any]) -> None: ...
+
+    def on_status(self, text: str) -> None: ...
+
+
+class NullSink:
+    def on_stream(self, rank: int, name: str, text: str) -> None:
+        pass
+
+    def on_display(self, rank: int, content: dict[str, Any]) -> None:
+        pass
+
+    def on_telemetry(self, rank: int, payload: dict[str, Any]) -> None:
+        pass
+
+    def on_status(self, text: str) -> None:
+        pass
+
+
+def run_cell(
+    cluster: Cluster,
+    code: str,
+    ranks: Iterable[int] | None = None,
+    timeout: float | None = None,
+    sink: OutputSink | None = None,
+) -> CellResult:
+    """Run `code` on `ranks` (all by default) and return the per-rank outcome. Never blocks past
+    `timeout` (plus the interrupt ladder's bounded steps); KeyboardInterrupt runs the ladder."""
+    targets = cluster._targets(ranks)
+    if timeout is None:
+        timeout = cluster.config.cell_timeout
+    if timeout is not None and timeout <= 0:
+        from nbdist.errors import NbdistError
+
+        raise NbdistError(f"--timeout {timeout}: must be a positive number of seconds")
+    return CellRun(cluster, code, targets, timeout, sink or NullSink()).execute()
+
+
+class CellRun:
+    """One execution of a cell; lives for the duration of `run_cell`."""
+
+    def __init__(self, cluster: Cluster, code: str, targets: list[int], timeout: float | None,
+                 sink: OutputSink) -> None:
+        self.cluster = cluster
+        self.config = cluster.config
+        self.sink = sink
+        self.targets = targets
+        self.timeout = timeout
+        self.result = CellResult(code=code, ranks=list(targets))
+        self.pending: set[int] = set(targets)
+        self.events: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
+        self.asyncs: dict[int, Any] = {}
+        self.metadata: dict[int, dict[str, Any]] = {}
+        self.streamed: dict[tuple[int, str], int] = {}
+        self.truncated: set[tuple[int, str]] = set()
+        self.displays_shown: dict[int, int] = {}
+        self.callbacks: list[tuple[Any, Any]] = []
+        self.finished_at: dict[int, float] = {}
+        self.first_fault_at: float | None = None
+        self.torn_down = False
+        self.ladder_ran = False
+        self.killed: dict[int, str] = {}
+        self.hang_report: list[str] = []
+        self._next_dead_check = 0.0
+        self.started = time.perf_counter()
+
+    # ---------------------------------------------------------------- dispatch
+    def execute(self) -> CellResult:
+        client = self.cluster.client
+        self.cluster.telemetry.cell_has_metrics = False
+        try:
+            for rank in self.targets:
+                ar = client[self.cluster.engine_id(rank)].execute(
+                    self.result.code, silent=False, block=False
+                )
+                self.asyncs[rank] = ar
+                self.metadata[rank] = client.metadata[ar.msg_ids[0]]
+                self._attach(rank, ar)
+            try:
+                self._wait()
+            except KeyboardInterrupt:
+                self.result.interrupted = True
+                self.sink.on_status(
+                    f"nbdist: interrupting rank(s) {_fmt(self.pending)} (stop button)"
+                )
+                faults.interrupt_ladder(self, sorted(self.pending), reason="interrupt")
+        finally:
+            self._detach()
+        self._finalize()
+        return self.result
+
+    def _attach(self, rank: int, ar: Any) -> None:
+        def on_iopub(msg: dict[str, Any]) -> None:
+            msg_type = msg["header"]["msg_type"]
+            if msg_type == "stream":
+                self.events.put((rank, "stream", msg["content"]))
+            elif msg_type == "display_data":
+                self.events.put((rank, "display", msg["content"]))
+            elif msg_type == "data_message":
+                payload = self.metadata[rank]["data"].get(TELEMETRY_KEY)
+                if payload is not None:
+                    self.events.put((rank, "telemetry", payload))
+
+        def on_done(_future: Any) -> None:
+            self.events.put((rank, "done", None))
+
+        for child in ar._children:
+            child.iopub_callbacks.append(on_iopub)
+            self.callbacks.append((child, on_iopub))
+        ar._output_future.add_done_callback(on_done)
+
+    def _detach(self) -> None:
+        for child, callback in self.callbacks:
+            try:
+                child.iopub_callbacks.remove(callback)
+            except ValueError:
+                pass
+        self.callbacks.clear()
+
+    # ---------------------------------------------------------------- waiting
+    def _wait(self) -> None:
+        deadline = None if self.timeout is None else self.started + self.timeout
+        while self.pending:
+            now = time.perf_counter()
+            if deadline is not None and now >= deadline:
+                self.result.timed_out = True
+                faults.on_deadline(self)
+                return
+            wait = self.config.poll_interval * 5
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - now))
+            self.pump(wait)
+            if self.cluster.controller_lost:
+                self._controller_lost()
+                return
+            faults.apply_fault_policy(self)
+
+    def pump(self, wait: float) -> None:
+        """Handle events for up to `wait` seconds (returns early once something arrived)."""
+        try:
+            item = self.events.get(timeout=wait) if wait > 0 else self.events.get_nowait()
+        except queue.Empty:
+            item = None
+        while item is not None:
+            self._handle(*item)
+            try:
+                item = self.events.get_nowait()
+            except queue.Empty:
+                item = None
+        now = time.perf_counter()
+        if now >= self._next_dead_check:
+            self._next_dead_check = now + 0.1
+            for rank, detail in self.cluster.poll_dead().items():
+                if rank in self.pending:
+                    self.pending.discard(rank)
+                    self.finished_at[rank] = now
+                    self.sink.on_status(f"nbdist: rank {rank} died ({detail})")
+
+    def pump_until(self, seconds: float, ranks: set[int] | None = None) -> bool:
+        """Pump until the given ranks (default: all pending) are done or time is up; True if done."""
+        end = time.perf_counter() + seconds
+        watch = self.pending if ranks is None else ranks
+        while watch & self.pending:
+            remaining = end - time.perf_counter()
+            if remaining <= 0:
+                return False
+            self.pump(min(remaining, self.config.poll_interval * 5))
+        return True
+
+    def _handle(self, rank: int, kind: str, content: Any) -> None:
+        if kind == "stream":
+            self._emit_stream(rank, content["name"], content["text"])
+        elif kind == "display":
+            self.displays_shown[rank] = self.displays_shown.get(rank, 0) + 1
+            self.sink.on_display(rank, content)
+        elif kind == "telemetry":
+            self.cluster.telemetry.publish(rank, content)
+            try:
+                self.sink.on_telemetry(rank, content)
+            except Exception:
+                pass  # the dashboard path never breaks a cell
+        elif kind == "done":
+            if rank in self.pending:
+                self.pending.discard(rank)
+                self.finished_at[rank] = time.perf_counter()
+
+    def _emit_stream(self, rank: int, name: str, text: str) -> None:
+        key = (rank, name)
+        shown = self.streamed.get(key, 0)
+        limit = self.config.max_output_chars
+        self.streamed[key] = shown + len(text)
+        if key in self.truncated:
+            return
+        if shown + len(text) > limit:
+            keep = max(0, limit - shown)
+            if keep:
+                self.sink.on_stream(rank, name, text[:keep])
+            self.truncated.add(key)
+            self.sink.on_status(
+                f"nbdist: rank {rank} {name} truncated after {limit:,} characters "
+                f"(NbdistConfig.max_output_chars; the full text is in the result's .{name}[{rank}])"
+            )
+            return
+        self.sink.on_stream(rank, name, text)
+
+    def _controller_lost(self) -> None:
+        for rank in sorted(self.pending):
+            self.result.errors[rank] = RankError(rank=rank, kind="lost", evalue="controller lost")
+        self.pending.clear()
+        self.result.actions.append(
+            "the ipyparallel controller is gone (controller lost): run %dist_restart "
+            "(Cluster.restart()) to start a new controller and engines"
+        )
+
+    # ---------------------------------------------------------------- results
+    def _finalize(self) -> None:
+        result = self.result
+        for rank in self.targets:
+            md = self.metadata.get(rank)
+            if md is None:
+                continue
+            for name in ("stdout", "stderr"):
+                full = md.get(name) or ""
+                getattr(result, name)[rank] = full
+                shown = self.streamed.get((rank, name), 0)
+                if len(full) > shown:  # output that raced the callbacks' registration
+                    self._emit_stream(rank, name, full[shown:])
+            outputs = md.get("outputs") or []
+            result.displays[rank] = list(outputs)
+            for content in outputs[self.displays_shown.get(rank, 0):]:
+                self.sink.on_display(rank, content)
+            if md.get("execute_result"):
+                result.results[rank] = md["execute_result"]
+            if rank in result.errors:
+                continue
+            proc = self.cluster.ranks[rank]
+            if proc.state == "dead":
+                result.errors[rank] = faults.dead_rank_error(self, rank)
+                continue
+            error = md.get("error")
+            if error is None and self.asyncs[rank].done():
+                error = _exception_of(self.asyncs[rank])
+            if error is not None:
+                result.errors[rank] = faults.rank_error_from_remote(rank, error)
+        faults.after_cell(self)
+        result.report = self.hang_report + result.report
+        result.elapsed = time.perf_counter() - self.started
+
+
+def _exception_of(ar: Any) -> Any:
+    try:
+        exc = ar.exception(timeout=0)
+    except Exception:
+        return None
+    if exc is None:
+        return None
+    elist = getattr(exc, "elist", None)
+    if elist:
+        return elist[0]
+    return exc
+
+
+def _fmt(ranks: Iterable[int]) -> str:
+    from nbdist.ranks import format_ranks
+
+    return format_ranks(sorted(ranks))

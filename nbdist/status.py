@@ -1,0 +1,84 @@
+"""A snapshot of the cluster for `%dist_status` and the start/restart summary (text and HTML)."""
+
+from __future__ import annotations
+
+import html
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from nbdist.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class RankRow:
+    rank: int
+    local_rank: int
+    host: str
+    pid: int
+    device: str
+    backend: str
+    threads: int
+    state: str
+
+
+@dataclass(frozen=True)
+class ClusterStatus:
+    running: bool
+    world_size: int
+    backend: str
+    generation: int
+    controller: str
+    rows: tuple[RankRow, ...]
+    start_seconds: float
+
+    @classmethod
+    def of(cls, cluster: Cluster) -> ClusterStatus:
+        rows = tuple(
+            RankRow(
+                rank=p.spec.rank, local_rank=p.spec.local_rank, host=p.spec.host, pid=p.pid,
+                device=p.device, backend=p.spec.backend, threads=p.threads,
+                state=p.state if p.state == "alive" else f"dead ({p.exit_detail})",
+            )
+            for p in cluster.ranks
+        )
+        controller = "lost" if cluster.controller_lost else ("running" if cluster.running else "stopped")
+        return cls(cluster.running, cluster.world_size, cluster.backend, cluster.generation,
+                   controller, rows, cluster.start_seconds)
+
+    def summary_line(self) -> str:
+        if not self.running:
+            return "nbdist: no cluster running"
+        dead = [r.rank for r in self.rows if not r.state.startswith("alive")]
+        health = f"{len(dead)} dead: ranks {dead}" if dead else "all alive"
+        lost = ", controller lost" if self.controller == "lost" else ""
+        return (f"nbdist: {self.world_size} rank(s), {self.backend}, process group generation "
+                f"{self.generation}, {health}{lost}")
+
+    def table(self) -> str:
+        header = ("rank", "local", "host", "pid", "device", "backend", "threads", "state")
+        body = [(str(r.rank), str(r.local_rank), r.host, str(r.pid), r.device, r.backend,
+                 str(r.threads), r.state) for r in self.rows]
+        widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
+                  for i, h in enumerate(header)]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def __str__(self) -> str:
+        return self.summary_line() + ("\n" + self.table() if self.rows else "")
+
+    def _repr_pretty_(self, p: object, cycle: bool) -> None:
+        p.text(str(self))  # type: ignore[attr-defined]
+
+    def _repr_html_(self) -> str:
+        head = "".join(f"<th>{h}</th>" for h in
+                       ("rank", "local", "host", "pid", "device", "backend", "threads", "state"))
+        rows = "".join(
+            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in
+                             (r.rank, r.local_rank, r.host, r.pid, r.device, r.backend, r.threads, r.state))
+            + "</tr>"
+            for r in self.rows
+        )
+        return (f"<div><p>{html.escape(self.summary_line())}</p>"
+                f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>")

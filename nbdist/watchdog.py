@@ -1,0 +1,91 @@
+"""Orphan guard: a tiny process that ends the cluster's processes when the notebook kernel dies.
+
+atexit does not run when a kernel is killed -9, so `Cluster.start` spawns this in its own session.
+It polls the kernel's PID (checked against its start time, so a reused PID does not fool it) and,
+once the kernel is gone, stops every PID listed in the cluster's pid file, by PID, then exits.
+It also exits quietly when the pid file is removed (a normal `%dist_stop`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import time
+
+import psutil
+
+
+def read_pidfile(path: str) -> list[tuple[int, float]]:
+    try:
+        with open(path) as f:
+            return [(int(pid), float(ct)) for pid, ct in json.load(f)["pids"]]
+    except (OSError, ValueError, KeyError):
+        return []
+
+
+def write_pidfile(path: str, pids: list[tuple[int, float]]) -> None:
+    tmp = f"{path}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump({"pids": pids}, f)
+    os.replace(tmp, path)
+
+
+def same_process(pid: int, create_time: float) -> psutil.Process | None:
+    """The process with this PID if it is still the one that was recorded."""
+    try:
+        proc = psutil.Process(pid)
+        if abs(proc.create_time() - create_time) > 0.05:
+            return None
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            return None
+        return proc
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None
+
+
+def terminate_all(pids: list[tuple[int, float]], grace: float) -> list[int]:
+    """SIGTERM each still-living recorded process, SIGKILL what is left after `grace` seconds."""
+    alive = [p for p in (same_process(pid, ct) for pid, ct in pids) if p is not None]
+    for proc in alive:
+        try:
+            proc.send_signal(signal.SIGTERM)
+        except psutil.NoSuchProcess:
+            pass
+    _gone, still = psutil.wait_procs(alive, timeout=grace)
+    for proc in still:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(still, timeout=grace)
+    return [p.pid for p in alive]
+
+
+def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str, interval: float) -> None:
+    while True:
+        if not os.path.exists(pidfile):
+            return  # the cluster was stopped normally
+        if same_process(parent_pid, parent_create_time) is None:
+            terminate_all(read_pidfile(pidfile), grace=2.0)
+            shutil.rmtree(workdir, ignore_errors=True)
+            return
+        time.sleep(interval)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--parent", type=int, required=True)
+    parser.add_argument("--parent-create-time", type=float, required=True)
+    parser.add_argument("--pidfile", required=True)
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--interval", type=float, default=0.5)
+    args = parser.parse_args()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    watch(args.parent, args.parent_create_time, args.pidfile, args.workdir, args.interval)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Functions the notebook sends to engines: probe, set a rank up, rebuild its group, push/pull.
+
+Each runs inside an engine through ipyparallel's apply, so each takes and returns plain data.
+State that must outlive one call lives in :data:`RUNTIME`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbdist.worker import collectives, process_group
+from nbdist.worker.agent import TelemetryAgent, install_agent
+
+
+@dataclass
+class RankRuntime:
+    spec: dict[str, Any] = field(default_factory=dict)
+    generation: int = -1
+    agent: TelemetryAgent | None = None
+    hooks_installed: bool = False
+
+
+RUNTIME = RankRuntime()
+
+
+def probe() -> dict[str, Any]:
+    """What this engine is: host, pid, GPUs, cores (imports torch; the engine preloads it)."""
+    import psutil
+    import torch
+
+    me = psutil.Process()
+    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "create_time": me.create_time(),
+        "children": [(c.pid, c.create_time()) for c in me.children(recursive=True)],
+        "gpu_count": gpu_count,
+        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch": torch.__version__,
+        "python": sys.executable,
+    }
+
+
+def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+    """Environment, threads, device, notebook names, hooks, telemetry, then the process group."""
+    import torch
+    import torch.distributed as dist
+    from IPython import get_ipython
+
+    RUNTIME.spec = dict(spec)
+    env = dict(options["env"])
+    os.environ.update(env)
+    threads = int(options["threads"])
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    if options.get("cwd") and os.path.isdir(options["cwd"]):
+        os.chdir(options["cwd"])
+        if options["cwd"] not in sys.path:
+            sys.path.insert(0, options["cwd"])
+
+    gpus = list(spec["gpus"])
+    if gpus:
+        torch.cuda.set_device(gpus[0])
+        device = torch.device("cuda", gpus[0])
+    else:
+        device = torch.device("cpu")
+    if spec["backend"] == "gloo" and options.get("socket_ifname"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", options["socket_ifname"])
+
+    collectives.install()
+    shell = get_ipython()
+    shell.user_ns.update(
+        rank=spec["rank"],
+        world_size=spec["world_size"],
+        local_rank=spec["local_rank"],
+        device=device,
+        dist=dist,
+        torch=torch,
+    )
+    _install_hooks(shell)
+    agent = install_agent(
+        TelemetryAgent(spec["rank"], float(options["telemetry_interval"]), shell.data_pub.publish_data)
+    )
+    agent.register("where", _where)
+    _install_optional_telemetry(agent, device)
+    agent.start()
+    RUNTIME.agent = agent
+
+    init = process_group.init_generation(
+        backend=spec["backend"],
+        master_addr=options["master_addr"],
+        port=int(options["port"]),
+        rank=spec["rank"],
+        world_size=spec["world_size"],
+        timeout_s=float(options["pg_timeout"]),
+        gpu=gpus[0] if gpus else None,
+        generation=int(options["generation"]),
+    )
+    RUNTIME.generation = int(options["generation"])
+    return {
+        "rank": spec["rank"],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": spec["backend"],
+        "threads": threads,
+        "pg_seconds": init["seconds"],
+    }
+
+
+def _install_optional_telemetry(agent: TelemetryAgent, device: Any) -> None:
+    # the dashboard's rank-side parts register their own providers when they are present
+    try:
+        from nbdist.worker.memory_sampler import install_memory_sampler
+
+        install_memory_sampler(agent, device)
+    except ImportError:
+        pass
+    try:
+        from nbdist.worker.metrics import install_metrics
+
+        install_metrics(agent)
+    except ImportError:
+        pass
+
+
+def _where() -> dict[str, Any] | None:
+    agent = RUNTIME.agent
+    if agent is None or not agent.cell_running:
+        return None
+    return collectives.TRACKER.snapshot()
+
+
+def _pre_run_cell(*_: Any) -> None:
+    collectives.TRACKER.reset_cell()
+    if RUNTIME.agent is not None:
+        RUNTIME.agent.cell_started()
+
+
+def _post_run_cell(*_: Any) -> None:
+    if RUNTIME.agent is not None:
+        RUNTIME.agent.cell_finished()
+
+
+def _install_hooks(shell: Any) -> None:
+    if RUNTIME.hooks_installed:
+        return
+    shell.events.register("pre_run_cell", _pre_run_cell)
+    shell.events.register("post_run_cell", _post_run_cell)
+    RUNTIME.hooks_installed = True
+
+
+def rebuild_process_group(port: int, generation: int, master_addr: str) -> dict[str, Any]:
+    """Tear the current group down and join a new generation on a fresh port."""
+    spec = RUNTIME.spec
+    process_group.teardown()
+    gpus = list(spec["gpus"])
+    result = process_group.init_generation(
+        backend=spec["backend"],
+        master_addr=master_addr,
+        port=port,
+        rank=spec["rank"],
+        world_size=spec["world_size"],
+        timeout_s=float(os.environ.get("NBDIST_PG_TIMEOUT", "60")),
+        gpu=gpus[0] if gpus else None,
+        generation=generation,
+    )
+    RUNTIME.generation = generation
+    return result
+
+
+def teardown_process_group() -> bool:
+    """Close this rank's group so peers blocked on it fail now instead of at the timeout."""
+    return process_group.teardown()
+
+
+def cell_report() -> dict[str, Any]:
+    """After a cell: the collective the rank failed in (if any), the last one and the count."""
+    tracker = collectives.TRACKER
+    failed = tracker.failed_in
+    last = tracker.last
+    return {
+        "rank": RUNTIME.spec.get("rank"),
+        "failed_in": None if failed is None else {"name": failed.name, "location": failed.location},
+        "last_collective": None if last is None else {"name": last.name, "location": last.location},
+        "collectives_entered": tracker.count,
+        "pg_initialized": process_group.is_initialized(),
+        "generation": RUNTIME.generation,
+    }
+
+
+def receive_values(values: dict[str, Any]) -> list[str]:
+    """Push: bind names in the rank's namespace, tensors moved to the rank's device."""
+    from IPython import get_ipython
+
+    device = get_ipython().user_ns.get("device")
+    moved = {name: _to_device(value, device) for name, value in values.items()}
+    get_ipython().user_ns.update(moved)
+    return sorted(moved)
+
+
+def send_values(names: list[str]) -> dict[str, Any]:
+    """Pull: the named values, tensors moved to CPU for the trip."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    missing = [name for name in names if name not in namespace]
+    if missing:
+        raise NameError(f"not defined on this rank: {', '.join(missing)}")
+    return {name: _to_device(namespace[name], "cpu") for name in names}
+
+
+def _to_device(value: Any, device: Any) -> Any:
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        return value
+    if device is None:
+        return value
+    if isinstance(value, torch.Tensor):
+        return value.detach().to(device) if value.device != torch.device(device) else value
+    if isinstance(value, dict):
+        return type(value)((k, _to_device(v, device)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
+def set_env(values: dict[str, str]) -> None:
+    os.environ.update(values)
+
+
+def shutdown_rank() -> None:
+    """Stop telemetry and leave the group before the engine is stopped."""
+    if RUNTIME.agent is not None:
+        RUNTIME.agent.stop()
+    process_group.teardown()

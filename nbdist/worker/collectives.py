@@ -1,0 +1,176 @@
+"""Track which collective each rank is in, so hangs and failures can say where every rank waits.
+
+``install()`` wraps the public torch.distributed collectives (module attributes, so code that calls
+``dist.all_reduce`` — the user's or torch's own — goes through the wrapper). The cost is a few
+attribute writes and one frame walk per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_gather_object",
+    "all_to_all",
+    "all_to_all_single",
+    "barrier",
+    "monitored_barrier",
+    "broadcast",
+    "broadcast_object_list",
+    "gather",
+    "gather_object",
+    "reduce",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "scatter",
+    "scatter_object_list",
+    "send",
+    "recv",
+)
+
+_TORCH_DIR = ""
+
+
+def is_cell_file(filename: str) -> bool:
+    """True for the pseudo-files IPython compiles notebook cells into."""
+    return filename.startswith("<ipython-input") or (
+        "ipykernel_" in filename and filename.endswith(".py")
+    )
+
+
+def describe_location(filename: str, lineno: int) -> str:
+    if is_cell_file(filename):
+        return f"cell line {lineno}"
+    return f"{os.path.basename(filename)}:{lineno}"
+
+
+def user_location(frame: Any) -> str:
+    """The innermost frame outside torch and nbdist (the user's code), described briefly."""
+    first = None
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if first is None:
+            first = (filename, frame.f_lineno)
+        if not _is_library_file(filename):
+            return describe_location(filename, frame.f_lineno)
+        frame = frame.f_back
+    return describe_location(*first) if first else "?"
+
+
+def _is_library_file(filename: str) -> bool:
+    return (
+        (bool(_TORCH_DIR) and filename.startswith(_TORCH_DIR))
+        or f"{os.sep}nbdist{os.sep}" in filename
+        or filename.startswith("<frozen")
+    )
+
+
+@dataclass
+class CollectiveCall:
+    name: str
+    location: str
+    since: float
+    index: int
+
+
+class CollectiveTracker:
+    """Per-process record of the collective in flight and how many were entered this cell."""
+
+    def __init__(self) -> None:
+        self.current: CollectiveCall | None = None
+        self.last: CollectiveCall | None = None
+        self.count = 0
+        self.failed_in: CollectiveCall | None = None
+        self.main_thread_id = threading.main_thread().ident
+        self._depth = 0
+
+    def reset_cell(self) -> None:
+        self.current = None
+        self.last = None
+        self.count = 0
+        self.failed_in = None
+        self._depth = 0
+
+    def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        tracker = self
+
+        @functools.wraps(fn)
+        def tracked(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() != tracker.main_thread_id or tracker._depth:
+                return fn(*args, **kwargs)  # nested (all_gather_object -> all_gather) or a thread
+            tracker.count += 1
+            call = CollectiveCall(name, user_location(sys._getframe(1)), time.time(), tracker.count)
+            tracker.current = call
+            tracker._depth += 1
+            try:
+                return fn(*args, **kwargs)
+            except BaseException:
+                tracker.failed_in = call
+                raise
+            finally:
+                tracker._depth -= 1
+                tracker.current = None
+                tracker.last = call
+
+        tracked.__nbdist_original__ = fn  # type: ignore[attr-defined]
+        return tracked
+
+    def snapshot(self) -> dict[str, Any]:
+        """Where the main thread is now: collective in flight, count, and its user-level stack."""
+        current = self.current
+        return {
+            "collective": _call_dict(current),
+            "last_collective": _call_dict(self.last),
+            "collectives_entered": self.count,
+            "stack": main_thread_stack(self.main_thread_id),
+        }
+
+
+def _call_dict(call: CollectiveCall | None) -> dict[str, Any] | None:
+    if call is None:
+        return None
+    return {"name": call.name, "location": call.location, "since": call.since, "index": call.index}
+
+
+def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
+    """The main thread's stack, innermost last, as short 'file:line in func' strings."""
+    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
+    lines: list[str] = []
+    while frame is not None and len(lines) < 60:
+        code = frame.f_code
+        lines.append(
+            f"{describe_location(code.co_filename, frame.f_lineno)} in {code.co_name}"
+        )
+        frame = frame.f_back
+    lines.reverse()
+    # keep from the first cell frame on: the engine's own dispatch frames say nothing useful
+    for i, line in enumerate(lines):
+        if line.startswith("cell line"):
+            return lines[i:][-limit:]
+    return lines[-limit:]
+
+
+TRACKER = CollectiveTracker()
+
+
+def install(tracker: CollectiveTracker = TRACKER) -> None:
+    global _TORCH_DIR
+    import torch
+    import torch.distributed as dist
+
+    _TORCH_DIR = os.path.dirname(torch.__file__)
+    for name in COLLECTIVES:
+        fn = getattr(dist, name, None)
+        if fn is None or hasattr(fn, "__nbdist_original__"):
+            continue
+        setattr(dist, name, tracker.wrap(name, fn))

@@ -1,0 +1,31 @@
+"""Entry point of an nbdist engine: an ordinary ipyparallel engine that imports torch meanwhile.
+
+Importing torch takes seconds; starting it on a thread lets it overlap with the engine's own
+start-up and registration, so the rank bootstrap finds it already loaded.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import threading
+
+
+def _preload() -> None:
+    try:
+        import torch  # noqa: F401
+        import torch.distributed  # noqa: F401
+    except Exception:  # the bootstrap imports again and reports the real error
+        pass
+
+
+def main() -> None:
+    # a segfault or abort then leaves a Python stack in the engine log, which nbdist shows
+    faulthandler.enable()
+    threading.Thread(target=_preload, name="nbdist-preload", daemon=True).start()
+    from ipyparallel.engine.app import main as engine_main
+
+    engine_main()
+
+
+if __name__ == "__main__":
+    main()
