@@ -195,6 +195,18 @@ class Cluster:
         self._start_engines(n)
         self._client = self._ipp.connect_client_sync()
         self._wait_for_engines(n)
+        self._harden_permissions()
+
+    def _harden_permissions(self) -> None:
+        """ipyparallel writes some files 0644; keep everything owner-only (keys live here)."""
+        for root, dirs, files in os.walk(self._workdir):
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o700)
+            for name in files:
+                try:
+                    os.chmod(os.path.join(root, name), 0o600)
+                except OSError:
+                    pass
 
     def _start_engines(self, n: int) -> None:
         self._ipp.start_engines_sync(n)
@@ -237,7 +249,6 @@ class Cluster:
                     f"{self.config.engine_start_timeout:.0f} s "
                     f"(NbdistConfig.engine_start_timeout).\n" + self._log_tails(self._launchers())
                 )
-            self._client.spin()
             time.sleep(0.02)
 
     def _log_tails(self, launchers: list[Any], lines: int = 15) -> str:

@@ -1,0 +1,70 @@
+"""Pure rank-map logic: rank selection, host grouping, GPU ownership, backend choice."""
+
+import pytest
+
+from nbdist.errors import NbdistError
+from nbdist.ranks import (
+    EngineInfo,
+    build_rank_map,
+    choose_backend,
+    default_threads,
+    format_ranks,
+    parse_ranks,
+)
+
+
+def test_parse_ranks_ranges_and_lists():
+    assert parse_ranks("0,2-3", 4) == [0, 2, 3]
+    assert parse_ranks(" 3 , 1 ", 4) == [1, 3]
+    assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [("", "empty"), ("0,x", "not a rank"), ("3-1", "backwards"), ("0,4", "do not exist"), ("-1", "not a rank")],
+)
+def test_parse_ranks_errors(text, message):
+    with pytest.raises(NbdistError, match=message):
+        parse_ranks(text, 4)
+
+
+def test_rank_map_groups_by_host_then_engine_and_is_stable_across_new_engine_ids():
+    engines = [EngineInfo(7, "b", 1), EngineInfo(3, "a", 2), EngineInfo(9, "a", 3), EngineInfo(8, "b", 4)]
+    specs = build_rank_map(engines, "gloo", host_order=["a", "b"])
+    assert [(s.rank, s.host, s.local_rank, s.engine_id) for s in specs] == [
+        (0, "a", 0, 3), (1, "a", 1, 9), (2, "b", 0, 7), (3, "b", 1, 8)]
+    assert all(s.local_world_size == 2 and s.world_size == 4 for s in specs)
+    restarted = [EngineInfo(20 + i, e.host, 0) for i, e in enumerate(engines)]
+    again = build_rank_map(restarted, "gloo", host_order=["a", "b"])
+    assert [(s.rank, s.host, s.local_rank) for s in again] == [(s.rank, s.host, s.local_rank) for s in specs]
+
+
+def test_gpus_per_rank_gives_contiguous_gpus():
+    engines = [EngineInfo(i, "h", i, gpu_count=4) for i in range(2)]
+    specs = build_rank_map(engines, "nccl", gpus_per_rank=2)
+    assert [s.gpus for s in specs] == [(0, 1), (2, 3)]
+    assert specs[1].device == "cuda:2"
+    env = specs[1].env("127.0.0.1", 1234)
+    assert env["RANK"] == "1" and env["LOCAL_RANK"] == "1" and env["LOCAL_WORLD_SIZE"] == "2"
+    assert env["MASTER_PORT"] == "1234"
+
+
+def test_more_gpu_ranks_than_gpus_is_a_clear_error():
+    engines = [EngineInfo(i, "h", i, gpu_count=1) for i in range(2)]
+    with pytest.raises(NbdistError, match="needs 2 GPUs, but 1 are visible"):
+        build_rank_map(engines, "nccl")
+
+
+def test_backend_choice():
+    assert choose_backend("auto", [0, 0], 1) == "gloo"
+    assert choose_backend("auto", [2, 2], 1) == "nccl"
+    assert choose_backend("gloo", [2, 2], 1) == "gloo"
+    with pytest.raises(NbdistError, match="--backend nccl needs a CUDA GPU"):
+        choose_backend("nccl", [0, 0], 1)
+    with pytest.raises(NbdistError, match="choose auto"):
+        choose_backend("mpi", [0], 1)
+
+
+def test_default_threads_is_cores_over_local_ranks():
+    assert default_threads(8, 4) == 2
+    assert default_threads(2, 4) == 1
