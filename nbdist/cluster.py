@@ -8,6 +8,8 @@ process-group generation, and guarantees that everything it started is stopped b
 from __future__ import annotations
 
 import atexit
+import gc
+import json
 import logging
 import os
 import shutil
@@ -28,6 +30,13 @@ import psutil
 from nbdist import watchdog
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import ClusterNotRunningError, ClusterStartError, NbdistError
+from nbdist.launchers import (
+    build_launcher_plan,
+    engine_set_launchers,
+    has_local_pid,
+    is_loopback,
+    warn_unauthenticated_rendezvous,
+)
 from nbdist.ranks import EngineInfo, RankSpec, build_rank_map, choose_backend, default_threads
 from nbdist.telemetry import TelemetryHub
 from nbdist.worker import bootstrap
@@ -49,6 +58,7 @@ class RankProcess:
     helper_pids: list[tuple[int, float]]
     state: str = "alive"  # alive | dead
     exit_detail: str = ""
+    local: bool = True  # a process on this machine (signalled by PID); else through the controller
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -81,8 +91,17 @@ class Cluster:
         gpus_per_rank: int = 1,
         threads: int | None = None,
         config: NbdistConfig | None = None,
-        master_addr: str = "127.0.0.1",
+        master_addr: str | None = None,
+        launcher: str = "local",
+        launcher_options: dict[str, Any] | None = None,
+        profile: str | None = None,
+        interface: str | None = None,
     ) -> None:
+        """`launcher`: how ipyparallel starts the engines (local, mpi, slurm, ssh; see
+        nbdist.launchers for `launcher_options`). `profile`: use the engines of a cluster already
+        running in that ipyparallel profile instead (see `Cluster.attach`). `master_addr`: the
+        rendezvous address (default: 127.0.0.1 on one host, rank 0's address across hosts).
+        `interface`: the network interface ranks talk over (GLOO/NCCL_SOCKET_IFNAME)."""
         if n is not None and (not isinstance(n, int) or n < 1):
             raise NbdistError(f"-n {n!r}: the number of ranks must be a positive whole number")
         if gpus_per_rank < 0:
@@ -96,7 +115,25 @@ class Cluster:
         self.gpus_per_rank = gpus_per_rank
         self.requested_threads = threads
         self.config = config or DEFAULT
-        self.master_addr = master_addr
+        self.requested_master_addr = master_addr
+        self.master_addr = master_addr or "127.0.0.1"
+        self.interface = interface
+        self.launcher = launcher
+        self.launcher_options = dict(launcher_options or {})
+        self._attach_target: dict[str, Any] | None = None
+        self._spans_hosts = False
+        self._lost_ranks: list[int] = []
+        if profile is not None:
+            if launcher != "local" or launcher_options:
+                raise NbdistError(
+                    f"profile={profile!r} attaches to engines already running in that profile; "
+                    "it does not combine with launcher= or launcher_options= (start the engines "
+                    "with ipcluster, then attach)"
+                )
+            self._attach_target = {"profile": profile}
+        # validate launcher and options now (pure: starts nothing)
+        self._plan = build_launcher_plan(launcher, self.launcher_options, n=n, interface=interface)
+        self._attached = False
         self.telemetry = TelemetryHub()
         self.backend = ""
         self.generation = -1
@@ -135,6 +172,17 @@ class Cluster:
     def engine_id(self, rank: int) -> int:
         return self.ranks[rank].spec.engine_id
 
+    def view(self, rank: int) -> Any:
+        """The ipyparallel view of one rank; a rank whose engine is gone is marked dead."""
+        engine_id = self.engine_id(rank)
+        if engine_id not in self._client.ids:
+            self.poll_dead()
+            if self.ranks[rank].state == "alive":
+                self.ranks[rank].state = "dead"
+                self.ranks[rank].exit_detail = "engine unregistered from the controller"
+            raise NbdistError(f"rank {rank} is dead ({self.ranks[rank].exit_detail})")
+        return self._client[engine_id]
+
     def rank_of_engine(self, engine_id: int) -> int | None:
         for proc in self.ranks:
             if proc.spec.engine_id == engine_id:
@@ -158,10 +206,13 @@ class Cluster:
         self._workdir = tempfile.mkdtemp(prefix="nbdist-")  # 0700 by construction
         self._pidfile = os.path.join(self._workdir, "pids.json")
         try:
-            n = self.requested_n or _default_rank_count()
-            say(f"starting controller and {n} engine(s) in {self._workdir}")
-            self._start_processes(n)
-            self._bootstrap(say)
+            if self._attach_target is not None:
+                self._bootstrap(say, engine_ids=self._attach_engines(say))
+            else:
+                n = self._rank_count()
+                say(f"starting controller and {n} engine(s) ({self.launcher}) in {self._workdir}")
+                self._start_processes(n)
+                self._bootstrap(say)
         except BaseException:
             self._teardown_processes()
             raise
@@ -170,32 +221,86 @@ class Cluster:
         atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
+    def _rank_count(self) -> int:
+        if self.requested_n:
+            return self.requested_n
+        ssh_hosts = self._plan.config.get("SSHEngineSetLauncher", {}).get("engines")
+        if ssh_hosts:
+            return int(sum(ssh_hosts.values()))
+        return _default_rank_count()
+
     def _start_processes(self, n: int) -> None:
         import ipyparallel as ipp
-        from traitlets.config import Config
 
-        cfg = Config()
-        cfg.LocalEngineSetLauncher.engine_cmd = [sys.executable, "-m", "nbdist.worker.engine"]
-        cfg.LocalEngineLauncher.engine_cmd = [sys.executable, "-m", "nbdist.worker.engine"]
+        # the launcher plan (nbdist.launchers) says how ipyparallel starts engines and where the
+        # controller listens: 127.0.0.1 for a local cluster, off loopback only across hosts
+        plan = build_launcher_plan(self.launcher, self.launcher_options, n=n,
+                                   interface=self.interface)
+        self._plan = plan
+        if plan.spans_hosts:
+            warn_unauthenticated_rendezvous()
+        profile_dir = os.path.join(self._workdir, "profile")
+        early = self.launcher == "local"
+        if early:
+            # Local engines start together with the controller instead of after it (ipyparallel
+            # would wait for the controller's connection file first: 1-2 s of engine start-up,
+            # torch import included, lost). They wait for a complete copy of that file.
+            engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
+            engine_set = plan.config.LocalEngineSetLauncher
+            args = list(engine_set.engine_args) if "engine_args" in engine_set else []
+            engine_set.engine_args = [*args, f"--IPEngine.url_file={engine_file}",
+                                      f"--IPEngine.wait_for_url_file={self.config.engine_start_timeout}"]
         self._ipp = ipp.Cluster(
             n=n,
-            profile_dir=os.path.join(self._workdir, "profile"),
-            controller_ip="127.0.0.1",
+            profile_dir=profile_dir,
             delay=0,
-            config=cfg,
+            config=plan.config,
             log=_quiet_logger(),
             shutdown_atexit=False,
             engine_timeout=int(self.config.engine_start_timeout),
+            **plan.cluster_kwargs,
         )
+        if early:
+            self._ipp.send_engines_connection_env = False
         self._ipp.start_controller_sync()
         controller = self._ipp.controller
         self._controller_pid = (controller.pid, psutil.Process(controller.pid).create_time())
         self._write_pidfile()
         self._start_watchdog()
         self._start_engines(n)
+        if early:
+            self._publish_engine_file(controller.connection_files["engine"], engine_file)
         self._client = self._ipp.connect_client_sync()
+        self._watch_unregistrations()
         self._wait_for_engines(n)
         self._harden_permissions()
+
+    def _publish_engine_file(self, source: str, target: str) -> None:
+        """Copy the controller's engine connection file, once complete, to where the early
+        engines look for it; written atomically, so no engine ever reads half a file."""
+        deadline = time.monotonic() + self.config.engine_start_timeout
+        while True:
+            try:
+                with open(source) as f:
+                    text = f.read()
+                json.loads(text)
+                break
+            except (OSError, ValueError):  # not there yet, or being written
+                if not self._controller_alive():
+                    raise ClusterStartError(
+                        "the ipyparallel controller exited while starting.\n"
+                        + _tail(self._ipp.controller.get_output(), 30)
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise ClusterStartError(
+                        f"the controller wrote no connection file within "
+                        f"{self.config.engine_start_timeout:.0f} s (NbdistConfig.engine_start_timeout)"
+                    ) from None
+                time.sleep(0.02)
+        tmp = f"{target}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
 
     def _harden_permissions(self) -> None:
         """ipyparallel writes some files 0644; keep everything owner-only (keys live here)."""
@@ -211,9 +316,32 @@ class Cluster:
     def _start_engines(self, n: int) -> None:
         self._ipp.start_engines_sync(n)
         for engine_set in self._ipp.engines.values():
-            for launcher in engine_set.launchers.values():
-                launcher.on_stop(self._engine_stopped)
+            for launcher in engine_set_launchers(engine_set):
+                if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
+                    launcher.on_stop(self._engine_stopped)
+                    self._record_exit_status(launcher)
         self._write_pidfile()
+
+    def _record_exit_status(self, launcher: Any) -> None:
+        """ipyparallel's wait thread reaps the engine (getting -9, -11...) but hands the status
+        to an event loop that a notebook kernel does not run, so on_stop never fires. Run those
+        hand-offs at once when they come from a launcher's wait thread."""
+        loop = launcher.loop
+        if getattr(loop, "_nbdist_wait_passthrough", False):
+            return
+        original = loop.add_callback
+
+        def add_callback(callback: Any, *args: Any, **kwargs: Any) -> None:
+            if threading.current_thread().name.startswith("wait(pid="):
+                try:
+                    callback(*args, **kwargs)
+                    return
+                except Exception:
+                    pass
+            original(callback, *args, **kwargs)
+
+        loop.add_callback = add_callback
+        loop._nbdist_wait_passthrough = True
 
     def _engine_stopped(self, stop_data: dict[str, Any]) -> None:
         with self._exit_lock:
@@ -222,7 +350,7 @@ class Cluster:
     def _launchers(self) -> list[Any]:
         if self._ipp is None:
             return []
-        return [la for es in self._ipp.engines.values() for la in es.launchers.values()]
+        return [la for es in self._ipp.engines.values() for la in engine_set_launchers(es)]
 
     def _wait_for_engines(self, n: int, known: Iterable[int] = ()) -> list[int]:
         """Wait for n new engines to register; fail fast if engine processes exit meanwhile."""
@@ -271,7 +399,8 @@ class Cluster:
         client = self._client
         ids = engine_ids if engine_ids is not None else sorted(client.ids)
         say(f"{len(ids)} engine(s) registered; setting up ranks")
-        probes = self._apply_each(ids, bootstrap.probe, timeout=self.config.bootstrap_timeout,
+        probes = self._apply_each(ids, bootstrap.probe, self._controller_host(),
+                                  timeout=self.config.bootstrap_timeout,
                                   what="probing engines (torch import)")
         infos = [
             EngineInfo(engine_id=eid, host=probes[eid]["host"], pid=probes[eid]["pid"],
@@ -285,7 +414,8 @@ class Cluster:
         specs = build_rank_map(infos, backend, self.gpus_per_rank, host_order=host_order)
         self.backend = backend
         self.generation += 1
-        port = free_port(self.master_addr)
+        self._choose_master_addr(specs, probes)
+        port = self._rendezvous_port(specs[0].engine_id)
         self._pg_port = port
         results: dict[int, Any] = {}
         asyncs = {}
@@ -302,6 +432,8 @@ class Cluster:
                 "generation": self.generation,
                 "telemetry_interval": self.config.telemetry_interval,
                 "socket_ifname": "lo" if self.master_addr.startswith("127.") else None,
+                "interface_env": self._interface_env(probes[spec.engine_id]),
+                "store_path": self._store_path(),
             }
             asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
                 bootstrap.setup_rank, _spec_dict(spec), options
@@ -316,10 +448,20 @@ class Cluster:
                 device=results[spec.engine_id]["device"],
                 threads=results[spec.engine_id]["threads"],
                 helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
+                local=self._is_local_engine(probes[spec.engine_id]),
             )
             for spec in specs
         ]
         self._write_pidfile()
+        # Move everything alive now (torch, IPython: millions of objects) out of the collector's
+        # reach: the engine's exit then skips a multi-second final gc.collect (%dist_stop), and
+        # full collections during training stop rescanning torch's own objects.
+        freezes = [client[eid].apply_async(gc.freeze) for eid in ids]
+        for ar in freezes:
+            try:
+                ar.get(timeout=self.config.bootstrap_timeout)
+            except Exception:
+                pass
 
     def _apply_each(self, ids: list[int], fn: Callable[..., Any], *args: Any, timeout: float,
                     what: str) -> dict[int, Any]:
@@ -360,9 +502,13 @@ class Cluster:
 
     def _owned_pids(self) -> list[tuple[int, float]]:
         pids: list[tuple[int, float]] = []
+        if self._attached:
+            return pids  # attached engines belong to the user: nbdist never kills them
         if self._controller_pid:
             pids.append(self._controller_pid)
         for la in self._launchers():
+            if not has_local_pid(la):
+                continue
             try:
                 proc = psutil.Process(la.pid)
                 pids.append((la.pid, proc.create_time()))
@@ -370,7 +516,8 @@ class Cluster:
             except psutil.NoSuchProcess:
                 continue
         for rank in self.ranks:
-            pids.extend(rank.helper_pids)
+            if rank.local:
+                pids.extend(rank.helper_pids)
         return sorted(set(pids))
 
     def _write_pidfile(self) -> None:
@@ -388,15 +535,35 @@ class Cluster:
     def poll_dead(self) -> dict[int, str]:
         """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc."""
         newly_dead: dict[int, str] = {}
+        with self._exit_lock:
+            lost, self._lost_ranks = self._lost_ranks, []
+        for rank in lost:
+            newly_dead[rank] = self.ranks[rank].exit_detail
+            self.telemetry.rank_state(rank, "dead", self.ranks[rank].exit_detail)
         for proc in self.ranks:
             if proc.state == "dead":
+                continue
+            if not proc.local:
+                if self._client is None or proc.spec.engine_id in self._client.ids:
+                    continue
+                proc.state = "dead"
+                proc.exit_detail = (f"engine on {proc.spec.host} lost: the controller stopped "
+                                    "hearing its heartbeat (process or host gone)")
+                newly_dead[proc.spec.rank] = proc.exit_detail
+                self.telemetry.rank_state(proc.spec.rank, "dead", proc.exit_detail)
                 continue
             with self._exit_lock:
                 code = self._engine_exits.get(proc.pid, "missing")
             if code == "missing":
-                if watchdog.same_process(proc.pid, proc.create_time) is not None:
+                alive = watchdog.same_process(proc.pid, proc.create_time) is not None
+                registered = self._client is None or proc.spec.engine_id in self._client.ids
+                if alive and registered:
                     continue
-                code = "unknown"
+                if alive:  # running but the controller dropped it: unusable, end it
+                    self.signal_rank(proc.spec.rank, signal.SIGKILL)
+                    code = "unregistered from the controller"
+                else:
+                    code = self._wait_exit_code(proc.pid)
             proc.state = "dead"
             proc.exit_detail = _describe_exit(code)
             newly_dead[proc.spec.rank] = proc.exit_detail
@@ -404,6 +571,16 @@ class Cluster:
         if self._controller_pid and not self.controller_lost and not self._controller_alive():
             self.controller_lost = True
         return newly_dead
+
+    def _wait_exit_code(self, pid: int, within: float = 1.0) -> Any:
+        """The launcher's wait thread reaps the engine and records its status a moment later."""
+        deadline = time.monotonic() + within
+        while time.monotonic() < deadline:
+            with self._exit_lock:
+                if pid in self._engine_exits:
+                    return self._engine_exits[pid]
+            time.sleep(0.01)
+        return "unknown"
 
     def engine_log_tail(self, rank: int, lines: int) -> str:
         """The last lines an engine wrote to its own log (crash messages land there)."""
@@ -421,6 +598,12 @@ class Cluster:
 
     def signal_rank(self, rank: int, sig: int) -> None:
         proc = self.ranks[rank]
+        if not proc.local:  # another machine: the engine's nanny delivers it
+            try:
+                self._client.send_signal(int(sig), targets=[proc.spec.engine_id], block=False)
+            except Exception:
+                pass
+            return
         if watchdog.same_process(proc.pid, proc.create_time) is None:
             return
         try:
@@ -431,8 +614,13 @@ class Cluster:
     # ------------------------------------------------------------------ process group
     def teardown_process_group(self, ranks: Iterable[int], timeout: float) -> list[int]:
         """Destroy the group on these (idle) ranks so peers blocked on them fail at once."""
-        asyncs = {r: self._client[self.engine_id(r)].apply_async(bootstrap.teardown_process_group)
-                  for r in ranks if self.ranks[r].state == "alive"}
+        asyncs = {}
+        for r in ranks:
+            if self.ranks[r].state == "alive":
+                try:
+                    asyncs[r] = self.view(r).apply_async(bootstrap.teardown_process_group)
+                except NbdistError:
+                    continue
         done = []
         deadline = time.monotonic() + timeout
         for r, ar in asyncs.items():
@@ -454,10 +642,11 @@ class Cluster:
             )
         started = time.perf_counter()
         self.generation += 1
-        port = free_port(self.master_addr)
+        port = self._rendezvous_port(self.ranks[0].spec.engine_id)
         asyncs = {
             p.spec.engine_id: self._client[p.spec.engine_id].apply_async(
-                bootstrap.rebuild_process_group, port, self.generation, self.master_addr
+                bootstrap.rebuild_process_group, port, self.generation, self.master_addr,
+                self._store_path(),
             )
             for p in self.ranks
         }
@@ -476,14 +665,14 @@ class Cluster:
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         targets = self._targets(ranks)
-        asyncs = {r: self._client[self.engine_id(r)].apply_async(bootstrap.receive_values, values)
+        asyncs = {r: self.view(r).apply_async(bootstrap.receive_values, values)
                   for r in targets}
         self._collect(asyncs, self.config.bootstrap_timeout, "push")
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
         targets = self._targets(ranks)
-        asyncs = {r: self._client[self.engine_id(r)].apply_async(bootstrap.send_values, [name])
+        asyncs = {r: self.view(r).apply_async(bootstrap.send_values, [name])
                   for r in targets}
         deadline = time.monotonic() + self.config.bootstrap_timeout
         out: dict[int, Any] = {}
@@ -524,7 +713,8 @@ class Cluster:
             from nbdist.dashboard import Dashboard
 
             self._dashboard = Dashboard(ranks=max(self.world_size, 1))
-            self.telemetry.subscribe(self._dashboard)
+            # attach replays the payloads already received, so the first one is not lost
+            self._dashboard.attach(self.telemetry)
         return self._dashboard
 
     # ------------------------------------------------------------------ restart / stop
@@ -532,9 +722,11 @@ class Cluster:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a
         lost controller."""
         say = progress or (lambda _msg: None)
-        n = self.world_size or self.requested_n or _default_rank_count()
+        n = self.world_size or self._rank_count()
         started = time.perf_counter()
-        if self.controller_lost or self._client is None or not self._controller_alive():
+        if self._attached:
+            self._restart_attached(n, say)
+        elif self.controller_lost or self._client is None or not self._controller_alive():
             self._teardown_processes(keep_workdir=False)
             self.ranks = []
             self.controller_lost = False
@@ -564,12 +756,13 @@ class Cluster:
             except psutil.NoSuchProcess:
                 pass
         for rank in self.ranks:
-            pids.extend(rank.helper_pids)
+            if rank.local:
+                pids.extend(rank.helper_pids)
         watchdog.terminate_all(pids, grace=self.config.stop_timeout)
         try:
             self._ipp.stop_engines_sync()
         except Exception:
-            pass
+            self._ask_remote_engines_to_exit()
         self._ipp.engines.clear()
 
     def stop(self) -> list[int]:
@@ -581,6 +774,13 @@ class Cluster:
 
     def _teardown_processes(self, keep_workdir: bool = False) -> None:
         owned = self._owned_pids()
+        if self._attached:
+            self._leave_attached_engines()
+        elif self._ipp is not None and not self._plan.engine_pids_local:
+            try:
+                self._ipp.stop_engines_sync()  # ssh kill / scancel, through ipyparallel
+            except Exception:
+                self._ask_remote_engines_to_exit()
         if self._client is not None:
             try:
                 self._client.close()
@@ -595,6 +795,12 @@ class Cluster:
         if self._pidfile and os.path.exists(self._pidfile):
             os.remove(self._pidfile)  # tells the watchdog to exit quietly
         if self._watchdog is not None:
+            # it only sleeps between checks (up to watchdog_interval): end it now, not at its
+            # next check; its work is done, the processes it guards are already stopped
+            try:
+                self._watchdog.terminate()
+            except OSError:
+                pass
             try:
                 self._watchdog.wait(timeout=2 * self.config.watchdog_interval + 1)
             except subprocess.TimeoutExpired:
@@ -606,6 +812,203 @@ class Cluster:
         for proc in self.ranks:
             proc.state = "dead"
             proc.exit_detail = "stopped"
+
+    # ------------------------------------------------------------------ multi-host, attach
+    @classmethod
+    def attach(
+        cls,
+        profile: str | None = None,
+        cluster_id: str = "",
+        *,
+        profile_dir: str | None = None,
+        url_file: str | None = None,
+        n: int | None = None,
+        progress: Progress | None = None,
+        **kwargs: Any,
+    ) -> Cluster:
+        """Use the engines of a cluster the user already started (`ipcluster start`, a Slurm
+        job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
+        group; restart() waits for the engines to be back (restart them yourself)."""
+        cluster = cls(n=n, **kwargs)
+        target: dict[str, Any] = {"cluster_id": cluster_id}
+        if url_file:
+            target = {"url_file": url_file}
+        elif profile_dir:
+            target["profile_dir"] = profile_dir
+        else:
+            target["profile"] = profile or "default"
+        cluster._attach_target = target
+        return cluster.start(progress)
+
+    def _attach_engines(self, say: Progress) -> list[int]:
+        import ipyparallel as ipp
+
+        assert self._attach_target is not None
+        self._attached = True
+        try:
+            self._client = ipp.Client(**self._attach_target)
+        except (OSError, ValueError) as exc:
+            raise ClusterStartError(
+                f"no running ipyparallel cluster found for {self._attach_target}: {exc}. "
+                "Start one first (ipcluster start --profile P), or check profile/cluster_id."
+            ) from None
+        self._watch_unregistrations()
+        ids = self._wait_for_registered(self.requested_n)
+        say(f"attached to {len(ids)} engine(s) of an existing cluster ({self._attach_target})")
+        return ids
+
+    def _wait_for_registered(self, n: int | None, exclude: Iterable[int] = ()) -> list[int]:
+        """Engines of an attached cluster: n of them (all there are when n is None)."""
+        skip = set(exclude)
+        deadline = time.monotonic() + self.config.engine_start_timeout
+        while True:
+            ids = sorted(set(self._client.ids) - skip)
+            if ids and (n is None or len(ids) >= n):
+                return ids if n is None else ids[:n]
+            if time.monotonic() > deadline:
+                raise ClusterStartError(
+                    f"{len(ids)} engine(s) registered with the attached cluster within "
+                    f"{self.config.engine_start_timeout:.0f} s; {n or 'at least one'} needed"
+                )
+            time.sleep(0.1)
+
+    def _restart_attached(self, n: int, say: Progress) -> None:
+        alive = [p for p in self.ranks if p.state == "alive" and p.spec.engine_id in self._client.ids]
+        self.teardown_process_group([p.spec.rank for p in alive], timeout=self.config.rebuild_timeout)
+        dead_ids = [p.spec.engine_id for p in self.ranks if p not in alive]
+        say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
+        ids = self._wait_for_registered(n, exclude=dead_ids)
+        self._bootstrap(say, engine_ids=ids)
+
+    def _leave_attached_engines(self) -> None:
+        if self._client is None:
+            return
+        alive = [p.spec.engine_id for p in self.ranks
+                 if p.state == "alive" and p.spec.engine_id in self._client.ids]
+        asyncs = {eid: self._client[eid].apply_async(bootstrap.shutdown_rank) for eid in alive}
+        deadline = time.monotonic() + self.config.stop_timeout
+        for ar in asyncs.values():
+            try:
+                ar.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception:
+                pass
+
+    def _ask_remote_engines_to_exit(self) -> None:
+        """Engines on other machines cannot be killed by PID: ask them to exit (best effort)."""
+        remote = [p.spec.engine_id for p in self.ranks if not p.local and p.state == "alive"]
+        if self._client is None or not remote:
+            return
+        try:
+            self._client.shutdown(targets=[e for e in remote if e in self._client.ids], block=False)
+        except Exception:
+            pass
+
+    def _watch_unregistrations(self) -> None:
+        """Mark a remote rank dead the moment the controller drops its engine, before
+        ipyparallel turns its running task into an EngineError, so a cell reports "died" (with
+        the host) rather than "raised". Remote PIDs cannot be polled; this is how we learn."""
+        handlers = getattr(self._client, "_notification_handlers", None)
+        if not isinstance(handlers, dict) or "unregistration_notification" not in handlers:
+            return  # poll_dead still notices through client.ids, only later
+        original = handlers["unregistration_notification"]
+
+        def on_unregister(msg: Any) -> None:
+            try:
+                self._engine_lost(int(msg["content"]["id"]))
+            except Exception:
+                pass
+            original(msg)
+
+        handlers["unregistration_notification"] = on_unregister
+
+    def _engine_lost(self, engine_id: int) -> None:
+        with self._exit_lock:
+            for proc in self.ranks:
+                if proc.spec.engine_id == engine_id and proc.state == "alive" and not proc.local:
+                    proc.state = "dead"
+                    proc.exit_detail = (f"engine on {proc.spec.host} lost: the controller "
+                                        "stopped hearing its heartbeat (process or host gone)")
+                    self._lost_ranks.append(proc.spec.rank)
+
+    def _controller_host(self) -> str | None:
+        """The controller's address as engines see it (the peer ranks route towards)."""
+        if self._client is None:
+            return None
+        cfg = getattr(self._client, "_config", {}) or {}
+        interface = str(cfg.get("interface", ""))
+        host = interface.split("://", 1)[-1]
+        if host in ("", "*", "0.0.0.0"):
+            host = str(cfg.get("location") or "") or None
+        return host
+
+    def _is_local_engine(self, probe: dict[str, Any]) -> bool:
+        """Same machine (hostname and boot id) and the PID really is that engine here."""
+        if probe.get("host") != socket.gethostname():
+            return False
+        if probe.get("boot_id") != bootstrap._boot_id():
+            return False
+        return watchdog.same_process(int(probe["pid"]), float(probe["create_time"])) is not None
+
+    def _choose_master_addr(self, specs: list[RankSpec], probes: dict[int, Any]) -> None:
+        """Rendezvous on rank 0: its address on --interface, else the one it reaches the
+        controller by (so the others reach it too); 127.0.0.1 for a local cluster."""
+        self._spans_hosts = (
+            self._plan.spans_hosts
+            or len({p["host"] for p in probes.values()}) > 1
+            or not all(self._is_local_engine(p) for p in probes.values())
+        )
+        if self._spans_hosts and not self._plan.spans_hosts:
+            warn_unauthenticated_rendezvous()  # found out only now (attached engines elsewhere)
+        if self.requested_master_addr is not None:
+            self.master_addr = self.requested_master_addr
+            return
+        if not self._spans_hosts:
+            self.master_addr = "127.0.0.1"
+            return
+        rank0 = probes[specs[0].engine_id]
+        if self.interface is not None:
+            addrs = rank0.get("addresses", {}).get(self.interface, [])
+            if not addrs:
+                raise ClusterStartError(
+                    f"--interface {self.interface}: rank 0 (host {specs[0].host}) has no IPv4 "
+                    f"address on it (it has {sorted(rank0.get('addresses', {}))})"
+                )
+            self.master_addr = addrs[0]
+            return
+        if not rank0.get("route_address"):
+            raise ClusterStartError(
+                f"could not tell which address of rank 0 (host {specs[0].host}) the other ranks "
+                "can reach; pass master_addr= (--master-addr) or interface= (--interface)"
+            )
+        self.master_addr = str(rank0["route_address"])
+
+    def _interface_env(self, probe: dict[str, Any]) -> dict[str, str]:
+        """GLOO/NCCL_SOCKET_IFNAME for one rank: --interface, else (across hosts) the interface
+        that rank reaches the controller by; nothing extra for a local cluster."""
+        name = self.interface
+        if name is None and self._spans_hosts:
+            name = probe.get("route_interface")
+        if not name:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": str(name), "NCCL_SOCKET_IFNAME": str(name)}
+
+    def _store_path(self) -> str | None:
+        """A file store per generation in the private directory when every rank is local."""
+        if self._spans_hosts or not self._workdir:
+            return None
+        return os.path.join(self._workdir, f"store-generation-{self.generation}")
+
+    def _rendezvous_port(self, rank0_engine: int) -> int:
+        """A fresh port for the store: picked here for a local master, else on rank 0 itself."""
+        if is_loopback(self.master_addr) or not self._spans_hosts:
+            return free_port(self.master_addr)
+        ar = self._client[rank0_engine].apply_async(bootstrap.reserve_port, self.master_addr)
+        try:
+            return int(ar.get(timeout=self.config.bootstrap_timeout))
+        except Exception as exc:
+            raise ClusterStartError(
+                f"rank 0 could not open a port on {self.master_addr}: {_short_error(exc)}"
+            ) from None
 
     def __enter__(self) -> Cluster:
         return self.start()
@@ -641,6 +1044,8 @@ def _default_rank_count() -> int:
 
 
 def _describe_exit(code: Any) -> str:
+    if isinstance(code, str) and code.startswith("unregistered"):
+        return code
     if isinstance(code, int):
         if code < 0:
             try:

@@ -15,6 +15,7 @@ import time
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
+from nbdist.errors import NbdistError
 from nbdist.ranks import format_ranks
 from nbdist.result import RankError
 from nbdist.worker import bootstrap
@@ -212,9 +213,13 @@ def _desync(run: CellRun, pending_counts: dict[int, int]) -> None:
 
 
 def _reports(run: CellRun, ranks: list[int]) -> dict[int, dict[str, Any]]:
-    client = run.cluster.client
     alive = [r for r in ranks if run.cluster.ranks[r].state == "alive"]
-    asyncs = {r: client[run.cluster.engine_id(r)].apply_async(bootstrap.cell_report) for r in alive}
+    asyncs = {}
+    for r in alive:
+        try:
+            asyncs[r] = run.cluster.view(r).apply_async(bootstrap.cell_report)
+        except NbdistError:
+            continue
     out = {}
     deadline = time.monotonic() + 5.0
     for rank, ar in asyncs.items():
@@ -236,7 +241,11 @@ def after_cell(run: CellRun) -> None:
     for rank, err in result.errors.items():
         rep = reports.get(rank) or {}
         failed_in = rep.get("failed_in")
-        if failed_in and err.kind == "root":
+        released = err.kind == "root" or (
+            # SIGINT from nbdist's own ladder (not the user's stop button) while in a collective
+            err.kind == "interrupted" and not result.interrupted and not result.timed_out
+        )
+        if failed_in and released:
             err.kind = "collective"
             err.where = f"{failed_in['name']} at {failed_in['location']}"
         elif failed_in and err.kind == "interrupted":

@@ -62,6 +62,18 @@ START.add_argument("--gpus-per-rank", type=int, default=1)
 START.add_argument("--threads", type=_positive_int, default=None)
 START.add_argument("--timeout", type=_positive_float, default=None,
                    help="default deadline for every %%distributed cell")
+START.add_argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local",
+                   help="how ipyparallel starts the engines")
+START.add_argument("--profile", default=None,
+                   help="use the engines of a cluster already running in this ipyparallel profile")
+START.add_argument("--master-addr", default=None, help="rendezvous address (default: rank 0's)")
+START.add_argument("--interface", default=None,
+                   help="network interface the ranks talk over (GLOO/NCCL_SOCKET_IFNAME)")
+START.add_argument("--hosts", default=None, help="ssh/mpi: host1,host2 or host1*4,host2*4")
+START.add_argument("--mpi-args", default=None, help="extra mpiexec arguments (one quoted string)")
+START.add_argument("--curve", action="store_true", help="encrypt ipyparallel traffic (CurveZMQ)")
+START.add_argument("-o", "--launcher-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="any launcher option, e.g. -o partition=gpu -o timelimit=2:00:00")
 
 CELL = _Parser(prog="%%distributed", add_help=False)
 CELL.add_argument("--ranks", default=None)
@@ -85,7 +97,9 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_start(self, line: str) -> None:
-        """%dist_start [-n N] [--backend auto|nccl|gloo] [--gpus-per-rank K] [--threads T] [--timeout S]"""
+        """%dist_start [-n N] [--backend auto|nccl|gloo] [--gpus-per-rank K] [--threads T] [--timeout S]
+        [--launcher local|mpi|slurm|ssh] [--hosts H] [--mpi-args A] [-o KEY=VALUE ...] [--curve]
+        [--profile P] [--master-addr ADDR] [--interface IFACE]"""
         global _CURRENT
         args = _parse(START, line)
         if _CURRENT is not None and _CURRENT.running:
@@ -96,7 +110,7 @@ class DistMagics(Magics):
         config = DEFAULT if args.timeout is None else DEFAULT.replace(cell_timeout=args.timeout)
         try:
             cluster = Cluster(n=args.n, backend=args.backend, gpus_per_rank=args.gpus_per_rank,
-                              threads=args.threads, config=config)
+                              threads=args.threads, config=config, **_launcher_kwargs(args))
             cluster.start(progress=lambda msg: print(f"nbdist: {msg}", flush=True))
         except NbdistError as exc:
             raise UsageError(f"%dist_start failed: {exc}\nNothing is left running.") from None
@@ -204,6 +218,31 @@ class DistMagics(Magics):
             raise UsageError(str(exc)) from None
 
     @line_magic
+    def dist_export(self, line: str) -> None:
+        """%dist_export FILE [--notebook NB.ipynb] [--nproc N]: the %%distributed cells as a
+        torchrun script (from this session's history, or from a saved notebook in document order)."""
+        from nbdist import export
+
+        parser = _Parser(prog="%dist_export", add_help=False)
+        parser.add_argument("file")
+        parser.add_argument("--notebook", default=None)
+        parser.add_argument("--nproc", type=_positive_int, default=None)
+        args = _parse(parser, line)
+        running = _CURRENT is not None and _CURRENT.running
+        world_size = _CURRENT.world_size if running and _CURRENT is not None else None
+        try:
+            if args.notebook:
+                sources = export.cells_from_notebook(args.notebook)
+            else:
+                sources = export.cells_from_history(self.shell.history_manager.input_hist_raw)
+            cells = export.distributed_cells(sources, world_size)
+            path = export.write_script(args.file, cells, nproc=args.nproc or world_size or 2)
+        except (NbdistError, OSError) as exc:
+            raise UsageError(f"%dist_export: {exc}") from None
+        print(f"nbdist: wrote {len(cells)} cell(s) to {path}; run it with "
+              f"torchrun --nproc-per-node {args.nproc or world_size or 2} {path}")
+
+    @line_magic
     def autodist(self, line: str) -> None:
         """%autodist on|off: send every following cell to the ranks."""
         choice = line.strip().lower()
@@ -218,6 +257,29 @@ class DistMagics(Magics):
             if _autodist_transform in transformers:
                 transformers.remove(_autodist_transform)
             print("nbdist: autodist off")
+
+
+def _launcher_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """%dist_start's multi-host flags as Cluster keyword arguments (see nbdist.launchers)."""
+    options: dict[str, Any] = {}
+    for item in args.launcher_option:
+        if "=" not in item:
+            raise UsageError(f"%dist_start -o {item!r}: write KEY=VALUE (e.g. -o partition=gpu)")
+        key, value = item.split("=", 1)
+        options[key.strip()] = value
+    if args.hosts:
+        options["hosts"] = args.hosts
+    if args.mpi_args:
+        options["mpi_args"] = args.mpi_args
+    if args.curve:
+        options["curve"] = True
+    kwargs: dict[str, Any] = {"master_addr": args.master_addr, "interface": args.interface}
+    if args.profile is not None:
+        kwargs["profile"] = args.profile
+    if args.launcher != "local" or options:
+        kwargs["launcher"] = args.launcher
+        kwargs["launcher_options"] = options
+    return kwargs
 
 
 def _ranks(text: str, world_size: int) -> list[int]:

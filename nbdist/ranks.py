@@ -126,7 +126,11 @@ def build_rank_map(
     """
     if not engines:
         raise NbdistError("no engines registered: nothing to give ranks to")
-    hosts: list[str] = list(host_order or [])
+    hosts: list[str] = []
+    present = {engine.host for engine in engines}
+    for host in host_order or []:  # earlier order first (one entry per rank there: dedupe)
+        if host in present and host not in hosts:
+            hosts.append(host)
     for engine in engines:
         if engine.host not in hosts:
             hosts.append(engine.host)

@@ -14,7 +14,7 @@ from nbdist.config import NbdistConfig
 # Short knobs so faults resolve fast in tests; far below any process-group timeout.
 FAST = NbdistConfig(
     process_group_timeout=30.0,
-    fault_settle=0.5,
+    fault_settle=1.0,
     interrupt_grace=1.5,
     teardown_grace=2.0,
     telemetry_interval=0.2,

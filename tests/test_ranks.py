@@ -35,7 +35,9 @@ def test_rank_map_groups_by_host_then_engine_and_is_stable_across_new_engine_ids
         (0, "a", 0, 3), (1, "a", 1, 9), (2, "b", 0, 7), (3, "b", 1, 8)]
     assert all(s.local_world_size == 2 and s.world_size == 4 for s in specs)
     restarted = [EngineInfo(20 + i, e.host, 0) for i, e in enumerate(engines)]
-    again = build_rank_map(restarted, "gloo", host_order=["a", "b"])
+    # a restart passes the previous ranks' hosts: one entry per rank, so with repeats
+    again = build_rank_map(restarted, "gloo", host_order=["a", "a", "b", "b"])
+    assert len(again) == 4
     assert [(s.rank, s.host, s.local_rank) for s in again] == [(s.rank, s.host, s.local_rank) for s in specs]
 
 

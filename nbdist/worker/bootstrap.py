@@ -27,14 +27,20 @@ class RankRuntime:
 RUNTIME = RankRuntime()
 
 
-def probe() -> dict[str, Any]:
-    """What this engine is: host, pid, GPUs, cores (imports torch; the engine preloads it)."""
+def probe(peer: str | None = None) -> dict[str, Any]:
+    """What this engine is: host, pid, GPUs, cores (imports torch; the engine preloads it), and
+    for multi-host rendezvous its IPv4 addresses and the address/interface it reaches `peer` by."""
     import psutil
     import torch
 
     me = psutil.Process()
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    route_address, route_interface = _route_to(peer) if peer else (None, None)
     return {
+        "boot_id": _boot_id(),
+        "addresses": _ipv4_addresses(),
+        "route_address": route_address,
+        "route_interface": route_interface,
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "create_time": me.create_time(),
@@ -44,6 +50,46 @@ def probe() -> dict[str, Any]:
         "torch": torch.__version__,
         "python": sys.executable,
     }
+
+
+def _boot_id() -> str:
+    """Differs between machines (same for network namespaces of one kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _ipv4_addresses() -> dict[str, list[str]]:
+    import psutil
+
+    return {
+        name: [a.address for a in addrs if a.family == socket.AF_INET]
+        for name, addrs in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET for a in addrs)
+    }
+
+
+def _route_to(peer: str) -> tuple[str | None, str | None]:
+    """The local address (and its interface) the kernel uses to reach `peer`; no packet is sent."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((socket.gethostbyname(peer), 9))
+            address = str(s.getsockname()[0])
+    except OSError:
+        return None, None
+    for name, addrs in _ipv4_addresses().items():
+        if address in addrs:
+            return address, name
+    return address, None
+
+
+def reserve_port(host: str) -> int:
+    """A free TCP port on this rank's `host` address (runs on rank 0: the store listens here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
 
 
 def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
@@ -71,6 +117,10 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         device = torch.device("cpu")
     if spec["backend"] == "gloo" and options.get("socket_ifname"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", options["socket_ifname"])
+    # multi-host: the interface that reaches the other ranks (or --interface), set on every rank
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if options.get("interface_env") and options["interface_env"].get(name):
+            os.environ[name] = options["interface_env"][name]
 
     collectives.install()
     shell = get_ipython()
@@ -100,6 +150,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         timeout_s=float(options["pg_timeout"]),
         gpu=gpus[0] if gpus else None,
         generation=int(options["generation"]),
+        store_path=options.get("store_path"),
     )
     RUNTIME.generation = int(options["generation"])
     return {
@@ -155,7 +206,9 @@ def _install_hooks(shell: Any) -> None:
     RUNTIME.hooks_installed = True
 
 
-def rebuild_process_group(port: int, generation: int, master_addr: str) -> dict[str, Any]:
+def rebuild_process_group(
+    port: int, generation: int, master_addr: str, store_path: str | None = None
+) -> dict[str, Any]:
     """Tear the current group down and join a new generation on a fresh port."""
     spec = RUNTIME.spec
     process_group.teardown()
@@ -169,6 +222,7 @@ def rebuild_process_group(port: int, generation: int, master_addr: str) -> dict[
         timeout_s=float(os.environ.get("NBDIST_PG_TIMEOUT", "60")),
         gpu=gpus[0] if gpus else None,
         generation=generation,
+        store_path=store_path,
     )
     RUNTIME.generation = generation
     return result

@@ -114,8 +114,10 @@ class CollectiveTracker:
             tracker._depth += 1
             try:
                 return fn(*args, **kwargs)
-            except BaseException:
+            except BaseException as exc:
                 tracker.failed_in = call
+                if not isinstance(exc, KeyboardInterrupt):
+                    _release_broken_group(exc)
                 raise
             finally:
                 tracker._depth -= 1
@@ -134,6 +136,24 @@ class CollectiveTracker:
             "collectives_entered": self.count,
             "stack": main_thread_stack(self.main_thread_id),
         }
+
+
+def _release_broken_group(exc: BaseException) -> None:
+    """A failed collective leaves a broken group: close it now so peers blocked on this rank fail
+    at once too. torch's own frames in the traceback hold the Work (and so the group's sockets)
+    alive, so their locals are cleared first; the user's frames are left intact."""
+    from nbdist.worker import process_group
+
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if _TORCH_DIR and frame.f_code.co_filename.startswith(_TORCH_DIR):
+            try:
+                frame.clear()
+            except RuntimeError:  # still executing (cannot happen below the wrapper)
+                pass
+        tb = tb.tb_next
+    process_group.teardown()
 
 
 def _call_dict(call: CollectiveCall | None) -> dict[str, Any] | None:

@@ -21,7 +21,11 @@ def init_generation(
     timeout_s: float,
     gpu: int | None,
     generation: int,
+    store_path: str | None = None,
 ) -> dict[str, Any]:
+    """Join generation `generation`. On one host the store is a file in the cluster's private
+    directory (`store_path`, new per generation): nothing listens on a port at all, since torch's
+    TCP store binds every interface. Across hosts: a TCP store on rank 0 (`master_addr:port`)."""
     import torch
     import torch.distributed as dist
 
@@ -31,9 +35,12 @@ def init_generation(
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and gpu is not None:
         kwargs["device_id"] = torch.device("cuda", gpu)
+    if store_path is not None:
+        kwargs["store"] = dist.FileStore(store_path, world_size)
+    else:
+        kwargs["init_method"] = f"tcp://{master_addr}:{port}"
     dist.init_process_group(
         backend=backend,
-        init_method=f"tcp://{master_addr}:{port}",
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
@@ -51,17 +58,48 @@ def init_generation(
 
 
 def teardown() -> bool:
-    """Destroy the current process group if any; True if there was one."""
+    """Abort and destroy the current process group if any; True if there was one.
+
+    destroy alone is not enough: a failed cell's traceback keeps the group's objects (and so its
+    sockets) alive, and peers stay blocked. Abort closes the transport first.
+    """
+    import gc
+    import sys
+
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     if not dist.is_available() or not dist.is_initialized():
         return False
+    _drop_last_traceback()
+    try:
+        distributed_c10d._abort_process_group()
+    except Exception:
+        pass
     try:
         dist.destroy_process_group()
     except Exception:
         # a broken group can fail to destroy cleanly; what matters is that its sockets close
         pass
+    sys.last_traceback = None
+    gc.collect()
     return True
+
+
+def _drop_last_traceback() -> None:
+    import sys
+
+    for name in ("last_traceback", "last_value", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    try:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+        if shell is not None and hasattr(shell, "_last_traceback"):
+            shell._last_traceback = None
+    except Exception:
+        pass
 
 
 def is_initialized() -> bool:

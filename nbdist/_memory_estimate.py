@@ -1,0 +1,181 @@
+"""Per-rank memory from formulas: the ZeRO paper's model-state bytes and Korthikanti's activations.
+
+Pure arithmetic (no torch unless a model is passed to count its parameters), so it runs anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# strategy name -> (params sharded, grads sharded, optimizer state sharded) at the peak of a step
+_SHARDING = {
+    "ddp": (False, False, False),
+    "zero1": (False, False, True),
+    "zero2": (False, True, True),
+    "zero3": (True, True, True),
+    "fsdp": (True, True, True),
+    # FSDP2 reshard_after_forward=False keeps gathered params from forward to the end of backward.
+    "fsdp_shard_grad_op": (False, True, True),
+}
+_ALIASES = {
+    "fsdp_full_shard": "fsdp", "full_shard": "fsdp", "shard_grad_op": "fsdp_shard_grad_op",
+    "zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3", "deepspeed": "zero2",
+}
+STRATEGY_NAMES = tuple(_SHARDING)
+
+
+@dataclass(frozen=True)
+class TransformerShape:
+    """A GPT-like decoder, enough for parameter and activation formulas."""
+
+    layers: int
+    """Number of transformer blocks (L)."""
+    hidden: int
+    """Model width (h)."""
+    heads: int
+    """Attention heads (a)."""
+    seq_len: int
+    """Tokens per sequence (s)."""
+    vocab_size: int = 0
+    """Embedding rows (V); 0 leaves embeddings out of the parameter count."""
+
+    @property
+    def param_count(self) -> int:
+        """12·L·h² + 13·L·h (attention, MLP, norms, biases) + V·h + s·h (embeddings)."""
+        h = self.hidden
+        return 12 * self.layers * h * h + 13 * self.layers * h + self.vocab_size * h + self.seq_len * h
+
+    def activation_bytes(self, micro_batch: int, checkpointing: bool = False, bytes_per_value: int = 2) -> float:
+        """Activations saved for backward, all layers (Korthikanti et al. 2022, no tensor parallel).
+
+        Per layer s·b·h·(34 + 5·a·s/h) bytes in 16-bit; with full recomputation only each layer's
+        input (2·s·b·h) stays, plus one layer's activations while it is recomputed.
+        """
+        s, b, h, a = self.seq_len, micro_batch, self.hidden, self.heads
+        per_layer = s * b * h * (34 + 5 * a * s / h) * bytes_per_value / 2
+        if checkpointing:
+            return self.layers * s * b * h * bytes_per_value + per_layer
+        return self.layers * per_layer
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank predicted for one strategy (1 GB = 1e9 bytes, as in the ZeRO paper)."""
+
+    strategy: str
+    world_size: int
+    param_count: int
+    params: float
+    """Parameter bytes resident on the device."""
+    grads: float
+    optimizer: float
+    """Optimizer state incl. fp32 master weights (K·Ψ, sharded or not)."""
+    activations: float | None
+    """From the transformer formula when a shape and micro-batch were given."""
+    offloaded: float
+    """Model-state bytes moved to CPU memory (or NVMe) by offloading."""
+    formula: str
+
+    @property
+    def model_states(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + (self.activations or 0.0)
+
+    def as_gb(self) -> dict[str, float]:
+        return {k: round(v / 1e9, 3) for k, v in (("params", self.params), ("grads", self.grads),
+                ("optimizer", self.optimizer), ("model_states", self.model_states),
+                ("activations", self.activations or 0.0), ("offloaded", self.offloaded))}
+
+
+def bytes_per_param(strategy: str, precision: str) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per parameter for Adam.
+
+    mixed: 2 + 2 + 12 (fp32 master, momentum, variance), the paper's K = 12.
+    fp32: 4 + 4 + 8 under torch (no master copy), but DeepSpeed's ZeRO still clones an fp32
+    master partition, so K = 12 there (measured with DeepSpeed 0.19).
+    """
+    if precision == "mixed":
+        return (2.0, 2.0, 12.0)
+    if precision == "fp32":
+        return (4.0, 4.0, 12.0 if strategy.startswith("zero") else 8.0)
+    raise ValueError(f"precision={precision!r}: use 'mixed' (16-bit + fp32 master) or 'fp32'")
+
+
+def normalize_strategy(strategy: str) -> str:
+    name = _ALIASES.get(strategy.lower(), strategy.lower())
+    if name not in _SHARDING:
+        raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGY_NAMES)}")
+    return name
+
+
+def count_params(model_or_count: Any) -> int:
+    if isinstance(model_or_count, TransformerShape):
+        return model_or_count.param_count
+    if isinstance(model_or_count, (int, float)):
+        return int(model_or_count)
+    if hasattr(model_or_count, "parameters"):
+        return sum(p.numel() for p in model_or_count.parameters())
+    raise TypeError(f"expected a parameter count, an nn.Module or a TransformerShape, not {type(model_or_count).__name__}")
+
+
+def estimate_memory(
+    model_or_param_count: Any,
+    world_size: int,
+    strategy: str = "ddp",
+    *,
+    precision: str = "mixed",
+    optimizer_bytes: float | None = None,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+    transformer: TransformerShape | None = None,
+    micro_batch: int | None = None,
+    activation_checkpointing: bool = False,
+) -> MemoryEstimate:
+    """Model-state bytes per rank from the ZeRO paper (arXiv:1910.02054 §5), plus activations.
+
+    ``strategy``: ddp, zero1, zero2, zero3, fsdp (full shard) or fsdp_shard_grad_op.
+    ``precision``: "mixed" (Ψ·(2 + 2 + K), K = 12) or "fp32" (see :func:`bytes_per_param`).
+    ``optimizer_bytes`` overrides K (e.g. 4 for SGD with momentum in fp32).
+    Offloading moves the optimizer state (and, for ZeRO-Offload, the fp32 gradient partition)
+    or the parameter shards to ``offloaded``. Activations need ``transformer`` (or a
+    TransformerShape as the first argument) and ``micro_batch``.
+    """
+    name = normalize_strategy(strategy)
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size}: need at least one rank")
+    psi = count_params(model_or_param_count)
+    p_bytes, g_bytes, k_bytes = bytes_per_param(name, precision)
+    if optimizer_bytes is not None:
+        k_bytes = float(optimizer_bytes)
+    shard_p, shard_g, shard_k = _SHARDING[name]
+    n = world_size
+    params = p_bytes * psi / (n if shard_p else 1)
+    grads = g_bytes * psi / (n if shard_g else 1)
+    optimizer = k_bytes * psi / (n if shard_k else 1)
+    offloaded = 0.0
+    if name == "ddp" and (offload_optimizer or offload_param):
+        raise ValueError("DDP cannot offload: use zero1/2/3 or fsdp")
+    if name.startswith("fsdp") and (offload_optimizer or offload_param):
+        # FSDP's CPUOffloadPolicy moves params, grads and the optimizer step together.
+        offloaded, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
+    else:
+        if offload_optimizer:
+            # ZeRO-Offload keeps the fp32 gradient partition on the CPU beside the optimizer.
+            offloaded += optimizer + (grads if shard_g else 0.0)
+            optimizer, grads = 0.0, (0.0 if shard_g else grads)
+        if offload_param:
+            if not shard_p:
+                raise ValueError("parameter offload needs sharded parameters: use zero3 or fsdp")
+            offloaded, params = offloaded + params, 0.0
+    shape = transformer if transformer is not None else (
+        model_or_param_count if isinstance(model_or_param_count, TransformerShape) else None)
+    activations = None
+    if shape is not None and micro_batch is not None:
+        activations = shape.activation_bytes(micro_batch, activation_checkpointing, 2 if precision == "mixed" else 4)
+    sharded = lambda flag, b: f"{b:g}Ψ/N" if flag else f"{b:g}Ψ"  # noqa: E731
+    formula = " + ".join((sharded(shard_p, p_bytes), sharded(shard_g, g_bytes), sharded(shard_k, k_bytes)))
+    return MemoryEstimate(name, n, psi, params, grads, optimizer, activations, offloaded, formula)

@@ -1,0 +1,302 @@
+"""Static SVG of the dashboard, kept in the output's mimebundle for saved and exported notebooks.
+
+Pure string building from a :class:`DashboardModel` (no browser, no matplotlib); colours and units
+match the live widget. Coordinates are whole pixels and lines are downsampled, so it stays small.
+"""
+
+from __future__ import annotations
+
+import html
+import math
+from typing import Any
+
+import numpy as np
+
+from nbdist.dashboard.colors import rank_color, rank_dash
+from nbdist.dashboard.model import DashboardModel
+
+_STATE_COLORS = {
+    "running": "#2e9e44",
+    "idle": "#8a8a8a",
+    "stale": "#d08700",
+    "dead": "#d0312d",
+    "waiting": "#8a8a8a",
+}
+
+# class names are prefixed: JupyterLab inlines trusted SVG, so this <style> applies page-wide
+_STYLE = """
+.nbd-bg{fill:var(--jp-layout-color0,#fff)}
+.nbd-t{font:12px var(--jp-ui-font-family,system-ui,-apple-system,'Segoe UI',sans-serif);fill:var(--jp-ui-font-color1,#1f1f1f)}
+.nbd-m{fill:var(--jp-ui-font-color2,#6a6a6a)}
+.nbd-h{font-weight:600;font-size:13px}
+.nbd-grid{stroke:var(--jp-border-color2,#e4e4e4);stroke-width:1}
+.nbd-axis{stroke:var(--jp-border-color1,#bdbdbd);stroke-width:1}
+.nbd-track{fill:var(--jp-layout-color2,#eee)}
+.nbd-l{fill:none;stroke-width:1.5;stroke-linejoin:round}
+""".replace("\n", "")
+
+
+def format_bytes(value: float | None) -> str:
+    """``1.50 GiB`` / ``312 MiB`` / ``12 KiB``: binary units, as the live widget shows them."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    value = float(value)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            scaled = value / size
+            return (
+                f"{scaled:.2f} {unit}"
+                if scaled < 10
+                else f"{scaled:.1f} {unit}"
+                if scaled < 100
+                else f"{scaled:.0f} {unit}"
+            )
+    return f"{value:.0f} B"
+
+
+def format_number(value: float | None) -> str:
+    if value is None or not math.isfinite(value):
+        return "–" if value is None else str(value)
+    magnitude = abs(value)
+    if magnitude != 0 and (magnitude < 1e-3 or magnitude >= 1e5):
+        return f"{value:.3g}"
+    if magnitude >= 100:
+        return f"{value:.0f}"
+    return f"{value:.4g}"
+
+
+def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
+    """Round tick values covering [low, high] (1-2-5 steps)."""
+    if not (math.isfinite(low) and math.isfinite(high)) or high <= low:
+        return [low]
+    raw = (high - low) / max(count, 1)
+    power = 10 ** math.floor(math.log10(raw))
+    step = next(m * power for m in (1, 2, 2.5, 5, 10) if m * power >= raw)
+    first = math.ceil(low / step) * step
+    ticks = []
+    value = first
+    while value <= high + step * 1e-9:
+        ticks.append(round(value, 12))
+        value += step
+    return ticks
+
+
+def _path(x: np.ndarray, y: np.ndarray) -> str:
+    # whole pixels, consecutive duplicates dropped, NaN (segment break or unplottable) -> new "M"
+    parts: list[str] = []
+    pen_down = False
+    last: tuple[int, int] | None = None
+    for px, py in zip(x.tolist(), y.tolist(), strict=False):
+        if not (math.isfinite(px) and math.isfinite(py)):
+            pen_down = False
+            continue
+        point = (round(px), round(py))
+        if pen_down and point == last:
+            continue
+        parts.append(f"{'' if pen_down else 'M'}{point[0]} {point[1]}")
+        pen_down = True
+        last = point
+    return " ".join(parts)
+
+
+class _Chart:
+    def __init__(self, x: float, y: float, width: float, height: float) -> None:
+        self.left, self.top, self.width, self.height = x + 56, y + 22, width - 66, height - 50
+
+    def frame(self, out: list[str], title: str, x_label: str) -> None:
+        out.append(
+            f'<text class="nbd-t nbd-h" x="{self.left - 50:.0f}" y="{self.top - 8:.0f}">{html.escape(title)}</text>'
+        )
+        bottom = self.top + self.height
+        out.append(
+            f'<line class="nbd-axis" x1="{self.left:.0f}" y1="{bottom:.0f}" x2="{self.left + self.width:.0f}" y2="{bottom:.0f}"/>'
+        )
+        out.append(
+            f'<text class="nbd-t nbd-m" text-anchor="end" x="{self.left + self.width:.0f}" y="{bottom + 30:.0f}">{html.escape(x_label)}</text>'
+        )
+
+
+def _scale(
+    values: np.ndarray, low: float, high: float, start: float, length: float, log: bool
+) -> np.ndarray:
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if log:
+            values = np.where(values > 0, np.log10(values), np.nan)
+            low, high = math.log10(low), math.log10(high)
+        span = (high - low) or 1.0
+        return start + (values - low) / span * length
+
+
+def _bounds(arrays: list[np.ndarray], log: bool) -> tuple[float, float] | None:
+    finite = [a[np.isfinite(a) & ((a > 0) if log else True)] for a in arrays]
+    finite = [a for a in finite if a.size]
+    if not finite:
+        return None
+    low = float(min(a.min() for a in finite))
+    high = float(max(a.max() for a in finite))
+    if high == low:
+        pad = abs(high) * 0.05 or 1.0
+        low, high = (low / 2, high * 2) if log else (low - pad, high + pad)
+    return low, high
+
+
+def _draw_lines(
+    out: list[str],
+    chart: _Chart,
+    lines: list[tuple[int, np.ndarray, np.ndarray, str]],
+    log_y: bool,
+    y_format: Any,
+) -> None:
+    xb = _bounds([x for _, x, _, _ in lines], False)
+    yb = _bounds([y for _, _, y, _ in lines], log_y)
+    bottom = chart.top + chart.height
+    if xb is None or yb is None:
+        out.append(
+            f'<text class="nbd-t nbd-m" x="{chart.left + 8:.0f}" y="{chart.top + chart.height / 2:.0f}">no data yet</text>'
+        )
+        return
+    ylow, yhigh = yb
+    if log_y:
+        ticks = [
+            10.0**e for e in range(math.floor(math.log10(ylow)), math.ceil(math.log10(yhigh)) + 1)
+        ]
+        ticks = [t for t in ticks if ylow <= t <= yhigh] or [ylow, yhigh]
+    else:
+        ylow, yhigh = (
+            (min(ylow, 0.0), yhigh) if ylow >= 0 and ylow < 0.25 * yhigh else (ylow, yhigh)
+        )
+        # byte axes tick at round MiB/GiB, not at round decimal byte counts
+        unit = (2**30 if yhigh >= 2**30 else 2**20) if y_format is format_bytes else 1.0
+        ticks = [t * unit for t in nice_ticks(ylow / unit, yhigh / unit, 4)]
+    for tick in ticks:
+        py = float(_scale(np.array([tick]), ylow, yhigh, bottom, -chart.height, log_y)[0])
+        out.append(
+            f'<line class="nbd-grid" x1="{chart.left:.0f}" y1="{py:.0f}" x2="{chart.left + chart.width:.0f}" y2="{py:.0f}"/>'
+        )
+        out.append(
+            f'<text class="nbd-t nbd-m" text-anchor="end" x="{chart.left - 6:.0f}" y="{py + 4:.0f}">{html.escape(y_format(tick))}</text>'
+        )
+    for tick in nice_ticks(xb[0], xb[1], 5):
+        px = float(_scale(np.array([tick]), xb[0], xb[1], chart.left, chart.width, False)[0])
+        out.append(
+            f'<text class="nbd-t nbd-m" text-anchor="middle" x="{px:.0f}" y="{bottom + 16:.0f}">{format_number(tick)}</text>'
+        )
+    for rank, x, y, dash in lines:
+        px = _scale(x, xb[0], xb[1], chart.left, chart.width, False)
+        py = _scale(y, ylow, yhigh, bottom, -chart.height, log_y)
+        style = f' stroke-dasharray="{dash}"' if dash else ""
+        out.append(f'<path class="nbd-l" stroke="{rank_color(rank)}"{style} d="{_path(px, py)}"/>')
+
+
+def render_svg(
+    model: DashboardModel,
+    metric: str | None = None,
+    log_scale: bool = False,
+    width: int = 900,
+    title: str = "nbdist dashboard",
+) -> str:
+    """The whole dashboard as one standalone SVG document (string)."""
+    config = model.config
+    ranks = list(model.ranks)
+    names = model.metric_names()
+    metric = metric if metric in names else (names[0] if names else None)
+    row = 20
+    table_top = 44
+    charts_top = table_top + row * (len(ranks) + 1) + 12
+    chart_height = 230
+    height = charts_top + chart_height + 28
+    out: list[str] = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" class="nbdist-static" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}">',
+        f"<style>{_STYLE}</style>",
+        f'<rect class="nbd-bg" width="{width}" height="{height}"/>',
+        f'<text class="nbd-t nbd-h" x="12" y="22">{html.escape(title)}</text>',
+        f'<text class="nbd-t nbd-m" x="{width - 12}" y="22" text-anchor="end">{len(ranks)} ranks · cell {model.cell} · final at cell end</text>',
+    ]
+    # per-rank table: state, step, steps/s, last metric, memory bar against capacity
+    columns = (12, 64, 150, 226, 296, 376)
+    headers = (
+        "rank",
+        "state",
+        "step",
+        "steps/s",
+        html.escape(metric or "metric"),
+        "memory: allocated ▮ reserved ▯ peak ┃ of capacity",
+    )
+    for x, text in zip(columns, headers, strict=False):
+        out.append(f'<text class="nbd-t nbd-m" x="{x}" y="{table_top}">{text}</text>')
+    bar_left, bar_width = columns[5], width - columns[5] - 12
+    for index, rank in enumerate(ranks):
+        summary = model.rank_summary(rank)
+        y = table_top + row * (index + 1)
+        out.append(f'<circle cx="{columns[0] + 5}" cy="{y - 4}" r="5" fill="{rank_color(rank)}"/>')
+        out.append(f'<text class="nbd-t" x="{columns[0] + 16}" y="{y}">{rank}</text>')
+        state = summary["state"]
+        label = state if state != "stale" else f"stale {summary['age'] or 0:.0f} s"
+        out.append(
+            f'<text class="nbd-t" x="{columns[1]}" y="{y}" style="fill:{_STATE_COLORS.get(state, "#888")}">{html.escape(label)}</text>'
+        )
+        out.append(
+            f'<text class="nbd-t" x="{columns[2]}" y="{y}">{format_number(summary["step"])}</text>'
+        )
+        out.append(
+            f'<text class="nbd-t" x="{columns[3]}" y="{y}">{format_number(summary["steps_per_s"])}</text>'
+        )
+        last = summary["last"].get(metric) if metric else None
+        out.append(f'<text class="nbd-t" x="{columns[4]}" y="{y}">{format_number(last)}</text>')
+        memory = summary["memory"] or {}
+        capacity = float(memory.get("capacity") or 0)
+        track_width = min(160, bar_width - 320)
+        out.append(
+            f'<rect class="nbd-track" x="{bar_left}" y="{y - 11}" width="{track_width}" height="12" rx="2"/>'
+        )
+        if capacity > 0:
+            color = rank_color(rank)
+
+            def frac(
+                key: str, memory: dict[str, Any] = memory, capacity: float = capacity
+            ) -> float:
+                return min(1.0, max(0.0, float(memory.get(key) or 0) / capacity))
+
+            out.append(
+                f'<rect x="{bar_left}" y="{y - 11}" width="{frac("reserved") * track_width:.1f}" height="12" rx="2" fill="{color}" fill-opacity="0.35"/>'
+            )
+            out.append(
+                f'<rect x="{bar_left}" y="{y - 11}" width="{frac("allocated") * track_width:.1f}" height="12" rx="2" fill="{color}"/>'
+            )
+            peak_x = bar_left + frac("peak") * track_width
+            out.append(
+                f'<line x1="{peak_x:.1f}" y1="{y - 13}" x2="{peak_x:.1f}" y2="{y + 3}" stroke="{color}" stroke-width="2"/>'
+            )
+        text = (
+            f"{format_bytes(memory.get('allocated'))} / {format_bytes(memory.get('reserved'))}"
+            f" · peak {format_bytes(memory.get('peak'))} · of {format_bytes(capacity or None)}"
+        )
+        out.append(
+            f'<text class="nbd-t nbd-m" x="{bar_left + track_width + 8}" y="{y}">{html.escape(text)}</text>'
+        )
+
+    half = (width - 24) / 2
+    points = config.svg_points_per_series
+    metric_chart = _Chart(12, charts_top, half, chart_height)
+    metric_chart.frame(out, f"{metric or 'metric'} per rank{' (log)' if log_scale else ''}", "step")
+    metric_lines = []
+    for rank in ranks:
+        line = model.ranks[rank].metrics.get(metric or "")
+        if line is not None and line.n:
+            x, y = line.downsampled(points)
+            metric_lines.append((rank, x, y, rank_dash(rank)))
+    _draw_lines(out, metric_chart, metric_lines, log_scale, format_number)
+
+    memory_chart = _Chart(12 + half, charts_top, half, chart_height)
+    memory_chart.frame(out, "memory per rank (— allocated, - - reserved)", "seconds")
+    memory_lines = []
+    for rank in ranks:
+        for name, dash in (("allocated", rank_dash(rank)), ("reserved", "4 3")):
+            line = model.ranks[rank].memory.get(name)
+            if line is not None and line.n:
+                x, y = line.downsampled(points)
+                memory_lines.append((rank, x, y, dash))
+    _draw_lines(out, memory_chart, memory_lines, False, format_bytes)
+    out.append("</svg>")
+    return "".join(out)

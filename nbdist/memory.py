@@ -1,0 +1,278 @@
+"""What sits in each rank's memory: measured (``memory_breakdown``), predicted (``estimate_memory``)
+and both side by side for several strategies (``compare_strategies``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from nbdist._memory_chart import render_svg, render_table
+from nbdist._memory_estimate import MemoryEstimate, TransformerShape, estimate_memory
+
+__all__ = [
+    "MemoryEstimate", "MemoryReport", "RankMemory", "StrategyComparison", "TransformerShape",
+    "compare_strategies", "estimate_memory", "memory_breakdown",
+]
+
+
+@dataclass
+class RankMemory:
+    """One rank's memory in bytes. Model states are exact (storage accounting); the rest is not."""
+
+    rank: int
+    device: str
+    params: int
+    """Parameters (and module buffers) resident on the device: full, DTensor shard or ZeRO partition."""
+    grads: int
+    optimizer: int
+    """Optimizer state incl. fp32 master copies (DeepSpeed's flat partitions)."""
+    activations: int | None = None
+    """Bytes autograd saved for backward during one forward of the given batch (its peak)."""
+    gathered: int | None = None
+    """Full parameters gathered from other ranks and still alive after the measured forward
+    (ZeRO-3 keeps them for reuse in backward; FSDP2 with reshard_after_forward=False)."""
+    buffers: int = 0
+    """Strategy scratch found in the optimizer (e.g. ZeRO reduce buckets)."""
+    other: int | None = None
+    """Allocated on the device but none of the above (CPU: malloc'd heap; CUDA: memory_allocated)."""
+    offloaded: int = 0
+    """Model-state bytes held in CPU memory while the rank computes on a GPU."""
+    allocated: int | None = None
+    """The allocator's view: CPU heap in use (glibc mallinfo2) or torch.cuda.memory_allocated."""
+    reserved: int | None = None
+    """CUDA: memory_reserved (allocated + cached blocks); CPU: resident set size."""
+    peak_forward: int | None = None
+    """CUDA: max_memory_allocated during the measured forward, minus what was allocated before."""
+
+    @property
+    def model_states(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    def row(self) -> dict[str, Any]:
+        return {**asdict(self), "model_states": self.model_states,
+                "total": self.model_states + (self.activations or 0) + (self.gathered or 0) + self.buffers
+                + (self.other or 0)}
+
+
+@dataclass
+class MemoryReport:
+    """Every rank's :class:`RankMemory`; shows as a table (text) and a stacked bar chart (HTML)."""
+
+    ranks: list[RankMemory] = field(default_factory=list)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [r.row() for r in self.ranks]
+
+    def table(self) -> str:
+        return render_table(
+            self.rows(), ("params", "grads", "optimizer", "activations", "gathered", "buffers", "other", "total"))
+
+    def to_svg(self) -> str:
+        rows = [{**r, "other": (r["other"] or 0) + (r["gathered"] or 0) + r["buffers"]} for r in self.rows()]
+        return render_svg(rows)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def _repr_html_(self) -> str:
+        import html
+
+        return f"<div>{self.to_svg()}<pre>{html.escape(self.table())}</pre></div>"
+
+
+def memory_breakdown(
+    model: Any,
+    optimizer: Any = None,
+    batch: Any = None,
+    loss_fn: Callable[[Any], Any] | None = None,
+    *,
+    gather: bool = True,
+) -> MemoryReport:
+    """Measure this rank's memory now; with ``gather`` (a collective) return every rank's.
+
+    ``model`` may be a plain module, DDP, an FSDP2 module or a DeepSpeedEngine; ``optimizer`` the
+    matching optimizer (DeepSpeed's is found on the engine). With ``batch`` (a tensor, a tuple of
+    positional inputs or a dict of keyword inputs) one forward runs with autograd recording, and
+    the bytes it saves for backward are the activations: that is their peak, reached at the end of
+    forward. ``loss_fn(output)`` adds the loss's own. The graph is then dropped without backward,
+    so parameters, gradients and optimizer state are left exactly as they were.
+    """
+    import torch
+
+    from nbdist._memory_ledger import account
+
+    device = _device_of(model)
+    ledger = account(model, optimizer, device.type)
+    activations = gathered = peak_forward = None
+    if batch is not None:
+        activations, gathered, peak_forward = _forward_activations(model, batch, loss_fn, ledger.seen, device)
+    allocated = reserved = other = None
+    states = sum(ledger.bytes[c] for c in ("params", "grads", "optimizer")) + ledger.bytes["buffers"]
+    if device.type == "cuda":
+        allocated = torch.cuda.memory_allocated(device)
+        reserved = torch.cuda.memory_reserved(device)
+    else:
+        allocated = _heap_in_use()
+        reserved = _rss()
+    if allocated is not None:
+        other = max(allocated - states, 0)
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    mine = RankMemory(
+        rank=rank, device=str(device), params=ledger.bytes["params"], grads=ledger.bytes["grads"],
+        optimizer=ledger.bytes["optimizer"], activations=activations, gathered=gathered,
+        buffers=ledger.bytes["buffers"],
+        other=other, offloaded=ledger.offloaded, allocated=allocated, reserved=reserved,
+        peak_forward=peak_forward,
+    )
+    return MemoryReport(_gather(mine) if gather else [mine])
+
+
+def _gather(mine: Any) -> list[Any]:
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return [mine]
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    return everyone
+
+
+def _device_of(model: Any) -> Any:
+    import torch
+
+    from nbdist.strategies._common import rank_device
+
+    for p in model.parameters():
+        local = getattr(p, "_local_tensor", p)
+        if local.device.type not in ("meta", "cpu"):
+            return local.device
+    return rank_device() if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _forward_activations(
+    model: Any, batch: Any, loss_fn: Any, exclude: set, device: Any
+) -> tuple[int, int, int | None]:
+    """Bytes saved for backward by one forward: (activations, gathered parameters, CUDA peak)."""
+    import torch
+
+    # DDP's and DeepSpeed's wrappers expect a backward after every forward; the inner module
+    # computes the same activations (ZeRO-3 and FSDP2 hooks live on the inner module itself).
+    runnable = model.module if type(model).__module__.startswith(("torch.nn.parallel", "deepspeed")) else model
+    saved: list[torch.Tensor] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor)
+        return tensor
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(device)
+        before = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        if isinstance(batch, dict):
+            output = runnable(**batch)
+        elif isinstance(batch, (tuple, list)):
+            output = runnable(*batch)
+        else:
+            output = runnable(batch)
+        loss = loss_fn(output) if loss_fn is not None else output
+    peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
+    seen = set(exclude)
+    # Wrappers that keep parameters gathered after forward expose them as the module's parameters.
+    param_keys = {_storage_key(p) for p in runnable.parameters()}
+    totals = {"activations": 0, "gathered": 0}
+    # Counted after forward: FSDP2 (resharding) and ZeRO-3 have by now emptied the storage of the
+    # gathered weights they saved, unless they keep them for backward, which is then "gathered".
+    for tensor in saved:
+        key = _storage_key(tensor)
+        nbytes = getattr(tensor, "_local_tensor", tensor).untyped_storage().nbytes()
+        if nbytes and key[1] and key not in seen:
+            seen.add(key)
+            is_param = key in param_keys or isinstance(tensor, torch.nn.Parameter) or hasattr(tensor, "ds_id")
+            totals["gathered" if is_param else "activations"] += nbytes
+    saved.clear()  # drop the graph's tensors now, not when the caller's frame ends
+    del output, loss
+    return totals["activations"], totals["gathered"], peak
+
+
+def _storage_key(tensor: Any) -> tuple[str, int]:
+    local = getattr(tensor, "_local_tensor", tensor)
+    return (local.device.type, local.untyped_storage().data_ptr())
+
+
+def _heap_in_use() -> int | None:
+    """glibc's mallinfo2: bytes in use from the heap plus mmapped blocks (None off glibc)."""
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in (
+            "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+            "fordblks", "keepcost")]
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        fn = libc.mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = MallInfo2
+    info = fn()
+    return int(info.uordblks + info.hblkhd)
+
+
+def _rss() -> int | None:
+    try:
+        import psutil
+
+        return int(psutil.Process().memory_info().rss)
+    except Exception:  # pragma: no cover - psutil is a dependency, but never fail a measurement
+        return None
+
+
+@dataclass
+class StrategyComparison:
+    """Measured beside estimated model-state bytes, one row per (strategy, rank)."""
+
+    rows: list[dict[str, Any]]
+
+    def table(self) -> str:
+        from nbdist._memory_chart import human_bytes
+
+        header = ("strategy", "rank", "measured", "estimated", "ratio", "params", "grads", "optimizer",
+                  "first loss", "last loss", "step s")
+        lines = [header]
+        for r in self.rows:
+            lines.append((r["strategy"], str(r["rank"]), human_bytes(r["measured"]), human_bytes(r["estimated"]),
+                          f"{r['ratio']:.3f}", human_bytes(r["params"]), human_bytes(r["grads"]),
+                          human_bytes(r["optimizer"]), f"{r['losses'][0]:.4g}", f"{r['losses'][-1]:.4g}",
+                          f"{r['step_seconds']:.3f}"))
+        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+        return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=False)) for line in lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+
+def compare_strategies(
+    model_fn: Callable[[], Any],
+    batch: Any,
+    loss_fn: Callable[[Any], Any],
+    *,
+    optimizer_fn: Callable[[Any], Any] | None = None,
+    strategies: Sequence[str] = ("ddp", "zero1", "zero2", "zero3", "fsdp"),
+    steps: int = 3,
+    precision: str = "fp32",
+) -> StrategyComparison:
+    """Train ``steps`` steps of ``model_fn()`` under each strategy; measured beside estimated.
+
+    Runs on every rank (a collective). Each step takes two micro-batches of ``batch``, and model
+    states are measured after each backward; the peak is reported. Two micro-batches matter for
+    DeepSpeed's stage 1, which keeps full gradients only while it accumulates (at one micro-batch
+    per step it reduces them into partitions during backward, like stage 2).
+    """
+    from nbdist._compare import run_comparison
+
+    return StrategyComparison(run_comparison(model_fn, batch, loss_fn, optimizer_fn, strategies, steps, precision))

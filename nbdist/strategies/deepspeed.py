@@ -1,0 +1,224 @@
+"""DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload, run inside an existing process group.
+
+Either shorthand options build the config, or the user's own config (dict or JSON file) goes through
+untouched. DeepSpeed is an optional extra and is imported only here, on first use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from nbdist.strategies._common import (
+    DEEPSPEED_MISSING,
+    BlockSpec,
+    OptimizerArg,
+    StrategyOptionError,
+    apply_activation_checkpointing,
+    broadcast_from_rank0,
+    check_known,
+    rank_device,
+    reject,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from torch import nn
+
+
+@dataclass
+class DeepSpeedOptions:
+    zero_stage: int = 2
+    """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
+
+    offload_optimizer: str | None = None
+    """"cpu" or "nvme": optimizer state and step live off the device (ZeRO-Offload, stages 1-3)."""
+
+    offload_param: str | None = None
+    """"cpu" or "nvme": parameter shards live off the device between uses (stage 3 only)."""
+
+    nvme_path: str | None = None
+    """Directory on a fast local NVMe drive; required when an offload target is "nvme"."""
+
+    mixed_precision: str | None = None
+    """"bf16" or "fp16": 16-bit params and grads with fp32 master weights in the optimizer."""
+
+    micro_batch_size: int = 1
+    """train_micro_batch_size_per_gpu in the generated config (DeepSpeed requires one)."""
+
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step; engine.step() only steps at the boundary."""
+
+    gradient_clipping: float | None = None
+    """Clip the global gradient norm to this value in engine.step()."""
+
+    activation_checkpointing: BlockSpec = None
+    """Recompute these blocks in backward without model changes ("auto": ModuleList children)."""
+
+    config: dict[str, Any] | str | Path | None = None
+    """A complete DeepSpeed config (dict or JSON path) passed to deepspeed.initialize untouched."""
+
+    log_level: str = "WARNING"
+    """Level for DeepSpeed's own logger (its INFO lines would flood every rank's output)."""
+
+
+HINTS = {
+    "cpu_offload": "DeepSpeed offloads optimizer state and parameters separately: use "
+    "offload_optimizer='cpu' (any zero_stage >= 1) and/or offload_param='cpu' (zero_stage=3)",
+    "reshard_after_forward": "an FSDP option; with DeepSpeed choose zero_stage=3 (params sharded, "
+    "~FULL_SHARD) or zero_stage=2 (~SHARD_GRAD_OP)",
+    "sharding": "an FSDP option; with DeepSpeed choose zero_stage=3 or zero_stage=2",
+    "wrap": "an FSDP option; ZeRO-3 gathers parameters per module by itself",
+    "gradient_as_bucket_view": "a DDP option; DeepSpeed manages its own buckets",
+    "find_unused_parameters": "a DDP option; DeepSpeed handles unused parameters itself",
+}
+
+_SHORTHANDS = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "mixed_precision",
+               "micro_batch_size", "gradient_accumulation_steps", "gradient_clipping")
+
+
+def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any, Any]:
+    """``deepspeed.initialize`` on the existing process group; returns (engine, engine.optimizer)."""
+    reject(options, HINTS, "deepspeed")
+    check_known(options, [f.name for f in dataclasses.fields(DeepSpeedOptions)], "deepspeed")
+    given_shorthands = [k for k in _SHORTHANDS if k in options]
+    opts = DeepSpeedOptions(**options)
+    if opts.config is not None and given_shorthands:
+        raise StrategyOptionError(
+            f"pass either config=... (used untouched) or the shorthand options, not both; "
+            f"move {', '.join(given_shorthands)} into your config (e.g. zero_stage -> "
+            "config['zero_optimization']['stage'])"
+        )
+    param_count = sum(p.numel() for p in model.parameters())
+    config = _user_config(opts.config) if opts.config is not None else build_config(opts, param_count)
+    ds = import_deepspeed()
+    logging.getLogger("DeepSpeed").setLevel(opts.log_level)
+    # DeepSpeed 0.19 still calls collectives torch 2.13 deprecated; one warning per call and rank
+    # would bury the cell's own output.
+    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+
+    import torch
+
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+        optimizer = optimizer(model.parameters())
+    if opts.config is None and opts.offload_optimizer is not None:
+        optimizer = _cpu_adam_for_offload(optimizer)
+    if opts.offload_param is None:  # with param offload ZeRO-3 places the shards itself
+        model.to(rank_device())
+    broadcast_from_rank0(model)  # ZeRO-3 partitions each rank's own copy: make them agree first
+    apply_activation_checkpointing(model, opts.activation_checkpointing)
+    if opts.config is None and opts.mixed_precision is not None:
+        _cast_float_inputs(model, config)
+    engine, ds_optimizer, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config)
+    return engine, ds_optimizer
+
+
+def import_deepspeed() -> Any:
+    try:
+        import deepspeed
+    except ImportError as missing:
+        raise ImportError(DEEPSPEED_MISSING) from missing
+    return deepspeed
+
+
+def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000) -> dict[str, Any]:
+    """The DeepSpeed config for the shorthand options, after checking they fit together."""
+    if opts.zero_stage not in (0, 1, 2, 3):
+        raise StrategyOptionError(f"zero_stage={opts.zero_stage!r}: use 0, 1, 2 or 3")
+    # ZeRO allocates its reduce bucket whole (5e8 elements by default: 2 GB in fp32); a bucket
+    # larger than the model only wastes memory.
+    zero: dict[str, Any] = {"stage": opts.zero_stage, "reduce_bucket_size": int(min(5e8, max(param_count, 1)))}
+    for name in ("offload_optimizer", "offload_param"):
+        target = getattr(opts, name)
+        if target is None:
+            continue
+        if target not in ("cpu", "nvme"):
+            raise StrategyOptionError(f"{name}={target!r}: use 'cpu', 'nvme' or None")
+        if name == "offload_optimizer" and opts.zero_stage == 0:
+            raise StrategyOptionError("offload_optimizer needs ZeRO: set zero_stage to 1, 2 or 3")
+        if name == "offload_param" and opts.zero_stage != 3:
+            raise StrategyOptionError(
+                f"offload_param needs sharded parameters: set zero_stage=3 (got {opts.zero_stage}), "
+                "or offload only the optimizer with offload_optimizer='cpu'"
+            )
+        zero[name] = {"device": target, "pin_memory": rank_device().type == "cuda"}
+        if target == "nvme":
+            zero[name]["nvme_path"] = _nvme_path(opts.nvme_path, name)
+    if opts.nvme_path is not None and "nvme" not in (opts.offload_optimizer, opts.offload_param):
+        raise StrategyOptionError("nvme_path is only used with offload_optimizer='nvme' or offload_param='nvme'")
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": opts.micro_batch_size,
+        "gradient_accumulation_steps": opts.gradient_accumulation_steps,
+        "zero_optimization": zero,
+        # nbdist passes torch optimizers in; ZeRO only "trusts" DeepSpeed's own unless told.
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+    }
+    if opts.mixed_precision is not None:
+        key = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(opts.mixed_precision)
+        if key is None:
+            raise StrategyOptionError(f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None")
+        config[key] = {"enabled": True}
+    if opts.gradient_clipping is not None:
+        config["gradient_clipping"] = opts.gradient_clipping
+    return config
+
+
+def _cast_float_inputs(model: nn.Module, config: dict[str, Any]) -> None:
+    """Cast floating-point inputs to the 16-bit compute dtype, as FSDP2's policy does.
+
+    DeepSpeed turns the weights to bf16/fp16 but leaves inputs alone, so an fp32 batch would
+    fail in the first matmul; this keeps the same training loop working for every strategy.
+    """
+    import torch
+
+    dtype = torch.bfloat16 if "bf16" in config else torch.float16
+
+    def cast(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        convert = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
+        return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
+
+    model.register_forward_pre_hook(cast, with_kwargs=True)
+
+
+def _nvme_path(path: str | None, option: str) -> str:
+    if path is None:
+        raise StrategyOptionError(f"{option}='nvme' needs nvme_path='/path/on/local/nvme' (a directory DeepSpeed may fill)")
+    if not Path(path).is_dir():
+        raise StrategyOptionError(f"nvme_path={path!r} is not an existing directory on this rank's host")
+    builder = import_deepspeed().ops.op_builder.AsyncIOBuilder()
+    if not builder.is_compatible(verbose=False):
+        raise StrategyOptionError(
+            f"{option}='nvme' needs DeepSpeed's async_io op, which cannot be built on this host "
+            "(libaio headers are missing): `apt-get install libaio-dev` (or conda's libaio) on every "
+            "rank's host, or offload to 'cpu' instead"
+        )
+    return str(path)
+
+
+def _user_config(config: dict[str, Any] | str | Path) -> dict[str, Any] | str:
+    if isinstance(config, dict):
+        return config
+    if not Path(config).is_file():
+        raise StrategyOptionError(f"config={str(config)!r}: no such DeepSpeed config file on this rank's host")
+    return str(config)
+
+
+def _cpu_adam_for_offload(optimizer: Any) -> Any:
+    """ZeRO-Offload steps on the CPU: swap torch Adam/AdamW for DeepSpeed's vectorised CPU Adam."""
+    import torch
+
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return optimizer  # runs as given on the CPU partitions (slower; zero_force_ds_cpu_optimizer off)
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    d = optimizer.defaults
+    return DeepSpeedCPUAdam(
+        [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups],
+        lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
+        adamw_mode=type(optimizer) is torch.optim.AdamW,
+    )

@@ -1,0 +1,115 @@
+"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded on dim 0 across ranks.
+
+Blocks are sharded one by one so only one block is gathered at a time; the root gets the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from nbdist.strategies._common import (
+    BlockSpec,
+    OptimizerArg,
+    StrategyOptionError,
+    apply_activation_checkpointing,
+    broadcast_from_rank0,
+    check_known,
+    find_blocks,
+    param_names,
+    rank_device,
+    rebind_optimizer,
+    reject,
+)
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from torch import nn
+
+
+@dataclass
+class FSDPOptions:
+    reshard_after_forward: bool = True
+    """True: free gathered params after forward (FULL_SHARD, ~ZeRO-3); False: keep them until
+    backward ends (SHARD_GRAD_OP, ~ZeRO-2: more memory, one all-gather less per step)."""
+
+    sharding: str | None = None
+    """Alias for reshard_after_forward: "full_shard" or "shard_grad_op"."""
+
+    wrap: BlockSpec = "auto"
+    """Blocks sharded as their own unit ("auto": children of each ModuleList); None: root only."""
+
+    mixed_precision: str | None = None
+    """"bf16" or "fp16": compute in that dtype, keep fp32 sharded params and reduce grads in fp32."""
+
+    cpu_offload: bool = False
+    """Keep sharded params, grads and the optimizer step on the CPU (CPUOffloadPolicy)."""
+
+    activation_checkpointing: BlockSpec = None
+    """Recompute these blocks' activations in backward ("auto": children of each ModuleList)."""
+
+    sync_module_states: bool = True
+    """Broadcast rank 0's weights before sharding, so ranks that initialised differently agree."""
+
+
+HINTS = {
+    "zero_stage": "ZeRO stages are DeepSpeed's; with FSDP use reshard_after_forward=True "
+    "(full shard, ~ZeRO-3) or reshard_after_forward=False (shard grad op, ~ZeRO-2), "
+    "or strategy='deepspeed', zero_stage=N",
+    "offload_optimizer": "FSDP offloads params, grads and the optimizer step together: use cpu_offload=True",
+    "offload_param": "FSDP offloads params, grads and the optimizer step together: use cpu_offload=True",
+    "nvme_path": "FSDP cannot offload to disk; use strategy='deepspeed', zero_stage=3, offload_param='nvme'",
+    "config": "a config is DeepSpeed's; use strategy='deepspeed'",
+    "gradient_as_bucket_view": "a DDP option; FSDP has no buckets to view",
+    "find_unused_parameters": "a DDP option; FSDP handles unused parameters itself",
+}
+
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
+
+
+def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Shard ``model`` in place with ``fully_shard`` and rebind the optimizer to the sharded params."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    reject(options, HINTS, "fsdp")
+    check_known(options, [f.name for f in dataclasses.fields(FSDPOptions)], "fsdp")
+    opts = FSDPOptions(**options)
+    reshard = _reshard_after_forward(opts)
+    mp_policy = MixedPrecisionPolicy()
+    if opts.mixed_precision is not None:
+        if opts.mixed_precision not in _DTYPES:
+            raise StrategyOptionError(f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None")
+        dtype = getattr(torch, _DTYPES[opts.mixed_precision])
+        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    device = rank_device()
+    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
+
+    names = param_names(model)
+    if opts.sync_module_states:
+        broadcast_from_rank0(model)
+    apply_activation_checkpointing(model, opts.activation_checkpointing)
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp_policy, "offload_policy": offload}
+    # Innermost first: fully_shard groups whatever parameters are not yet claimed by a child.
+    for block in reversed(find_blocks(model, opts.wrap)):
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model, rebind_optimizer(optimizer, names, model)
+
+
+def _reshard_after_forward(opts: FSDPOptions) -> bool:
+    if opts.sharding is None:
+        return opts.reshard_after_forward
+    choices = {"full_shard": True, "shard_grad_op": False}
+    if opts.sharding.lower() not in choices:
+        raise StrategyOptionError(f"sharding={opts.sharding!r}: use 'full_shard' or 'shard_grad_op'")
+    return choices[opts.sharding.lower()]

@@ -1,0 +1,1 @@
+"""Benchmarks B1–B9 of nbdist beside its peers (see README "Benchmarks" and RESULTS.md)."""

@@ -1,0 +1,75 @@
+"""A notebook executed headless (nbclient) keeps the dashboard's static SVG in its saved outputs,
+and an HTML export shows the final charts without JavaScript or network.
+"""
+
+from __future__ import annotations
+
+import base64
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+TRAIN_CELL = """%%distributed
+import time, torch, nbdist
+layer = torch.nn.Linear(64, 64)
+opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+data = torch.randn(32, 64)
+end = time.time() + {seconds}
+step = 0
+while time.time() < end:
+    loss = layer(data).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    nbdist.log(step=step, loss=loss, wall=time.time())
+    step += 1
+    time.sleep(0.02)
+"""
+
+
+def dashboard_notebook(seconds: float, ranks: int = 2) -> nbformat.NotebookNode:
+    """Start a cluster, train for ``seconds`` with ``nbdist.log``, stop the cluster."""
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_code_cell(f"%load_ext nbdist\n%dist_start -n {ranks}"),
+        nbformat.v4.new_code_cell(TRAIN_CELL.format(seconds=seconds)),
+        nbformat.v4.new_code_cell("%dist_stop\nprint('NBDIST-STOPPED')"),
+    ]
+    return nb
+
+
+def _svg_outputs(cell: nbformat.NotebookNode) -> list[str]:
+    return [out["data"]["image/svg+xml"] for out in cell.get("outputs", [])
+            if out.get("output_type") == "display_data" and "image/svg+xml" in out.get("data", {})]
+
+
+@pytest.mark.timeout(240)
+def test_headless_execution_saves_the_final_svg(tmp_path: Path) -> None:
+    from nbclient import NotebookClient
+    from nbconvert import HTMLExporter
+
+    nb = dashboard_notebook(seconds=3.0)
+    NotebookClient(nb, timeout=180, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    path = tmp_path / "executed.ipynb"
+    nbformat.write(nb, path)
+    saved = nbformat.read(path, as_version=4)
+    train = saved.cells[1]
+    svgs = _svg_outputs(train)
+    assert len(svgs) == 1, [out.get("output_type") for out in train.outputs]
+    svg = svgs[0]
+    # the snapshot is the one refreshed at cell end, not the near-empty one from the first log()
+    assert "loss per rank" in svg and "no data yet" not in svg
+    assert svg.count("<path") >= 2 * 3  # loss + allocated + reserved for each of 2 ranks
+    assert "idle" in svg and "running" not in svg
+    widget = next(out for out in train.outputs if "image/svg+xml" in out.get("data", {}))
+    assert "application/vnd.jupyter.widget-view+json" in widget["data"]
+    assert len(path.read_bytes()) < 200_000
+    # HTML export: with nbclient's stored widget state nbconvert prefers the widget view, which
+    # needs a CDN; without it (the default in JupyterLab) the static SVG is what readers get.
+    saved.metadata.pop("widgets", None)
+    html, _ = HTMLExporter().from_notebook_node(saved)
+    # nbconvert embeds SVG outputs as data: URIs (inline or base64, depending on its version)
+    embedded = re.findall(r'src="data:image/svg\+xml;base64,([^"]+)"', html)
+    texts = [base64.b64decode(data).decode() for data in embedded] + [html]
+    assert any("loss per rank" in text and "nbdist-static" in text for text in texts)

@@ -1,0 +1,311 @@
+"""FAULTS.md scenarios on CPU/gloo with real engines. After each: the next collective works
+(directly or after one restart) and no process is orphaned. Time bounds are loose (noisy 2-core
+machine) but far below the 30 s process-group timeout used here."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+from nbdist import Cluster
+from tests.conftest import FAST, assert_all_gone
+
+ALL_REDUCE_OK = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
+
+
+def assert_collective_works(cluster: Cluster) -> None:
+    result = cluster.run(ALL_REDUCE_OK, timeout=30).raise_for_errors()
+    assert result.grouped_values() == [(list(range(cluster.world_size)), str(float(cluster.world_size)))]
+
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    """Deliver a real SIGINT to this process (the one running the magic/runner)."""
+    timer = threading.Timer(seconds, os.kill, args=(os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+@pytest.fixture(autouse=True)
+def no_stray_interrupt():
+    yield
+    for thread in threading.enumerate():
+        if isinstance(thread, threading.Timer):
+            thread.cancel()
+
+
+@pytest.fixture(scope="module")
+def cluster(cluster4: Cluster) -> Cluster:
+    return cluster4
+
+
+@pytest.fixture(autouse=True)
+def full_cluster(cluster: Cluster):
+    """Every test starts from a full, healthy cluster (restart if a previous test killed a rank)."""
+    if any(p.state != "alive" for p in cluster.ranks) or cluster.controller_lost:
+        cluster.restart()
+    yield
+
+
+def test_row1_rank_raises_while_others_wait_in_all_reduce(cluster: Cluster):
+    cluster.run("survivor = 'kept'").raise_for_errors()
+    code = "x = torch.ones(1)\nif rank == 1:\n    raise ValueError('rank 1 broke')\ndist.all_reduce(x)\n"
+    started = time.perf_counter()
+    result = cluster.run(code, timeout=60)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 6, f"root cause took {elapsed:.1f} s (goal 2 s)"
+    roots = result.root_causes()
+    assert [e.rank for e in roots] == [1] and roots[0].ename == "ValueError"
+    message = result.failure_message()
+    assert message.index("rank 1 raised ValueError") < message.index("rank 0:")
+    for r in (0, 2, 3):
+        assert result.errors[r].kind == "collective"
+        assert "all_reduce at cell line 4" in result.errors[r].where
+    assert any("rebuilt" in a for a in result.actions)
+    assert_collective_works(cluster)
+    assert cluster.pull("survivor") == {r: "kept" for r in range(4)}
+
+
+def test_row1_barrier_variant_and_subset(cluster: Cluster):
+    result = cluster.run("if rank == 2:\n    1/0\ndist.barrier()", timeout=60)
+    assert [e.rank for e in result.root_causes()] == [2]
+    assert "barrier" in result.errors[0].where
+    assert_collective_works(cluster)
+
+
+def test_row2_sigkill_during_all_reduce(cluster: Cluster):
+    old_pids = {p.spec.rank: p.pid for p in cluster.ranks}
+    code = (
+        "import os, time\nprint('rank', rank, 'about to reduce', flush=True)\n"
+        "if rank == 2:\n    time.sleep(0.5)\n    os.kill(os.getpid(), 9)\n"
+        "t = torch.ones(1)\ndist.all_reduce(t)\n"
+    )
+    started = time.perf_counter()
+    result = cluster.run(code, timeout=60)
+    elapsed = time.perf_counter() - started
+    assert elapsed < 10, f"dead rank took {elapsed:.1f} s to report (goal 5 s)"
+    err = result.errors[2]
+    assert err.kind == "dead" and "signal 9" in err.evalue
+    assert "about to reduce" in err.traceback  # its last output lines
+    assert "rank 2 died" in result.failure_message()
+    assert cluster.status().rows[2].state.startswith("dead")
+    assert any("%dist_restart" in a for a in result.actions)
+    cluster.restart()
+    new_pids = {p.spec.rank: p.pid for p in cluster.ranks}
+    assert not set(old_pids.values()) & set(new_pids.values())
+    assert_all_gone(list(old_pids.values()))
+    assert_collective_works(cluster)
+
+
+def test_row3_desync_names_the_odd_rank(cluster: Cluster):
+    code = "dist.barrier()\nif rank != 1:\n    dist.barrier()\n"
+    started = time.perf_counter()
+    result = cluster.run(code, timeout=3)
+    elapsed = time.perf_counter() - started
+    assert result.timed_out and elapsed < 3 + 12
+    report = "\n".join(result.report)
+    assert "desync: rank 1" in report
+    assert "waiting in barrier #2 at cell line 3" in report
+    if any(p.state != "alive" for p in cluster.ranks):
+        cluster.restart()
+    assert_collective_works(cluster)
+
+
+def test_row4_python_hang_shows_every_stack_and_keeps_state(cluster: Cluster):
+    cluster.run("kept = rank").raise_for_errors()
+    code = "def spin():\n    while True:\n        pass\nspin()\n"
+    result = cluster.run(code, timeout=2)
+    assert result.timed_out
+    report = "\n".join(result.report)
+    for r in range(4):
+        assert re.search(f"rank {r}: running Python at cell line [23] in spin", report), report
+    assert all(e.kind == "interrupted" for e in result.errors.values())
+    assert cluster.pull("kept") == {r: r for r in range(4)}
+    assert_collective_works(cluster)
+
+
+def test_row5_stop_button_during_training_loop(cluster: Cluster):
+    cluster.run(
+        "model = torch.nn.Linear(32, 32)\nopt = torch.optim.SGD(model.parameters(), lr=0.01)\nsteps = 0"
+    ).raise_for_errors()
+    code = (
+        "while True:\n"
+        "    loss = model(torch.randn(16, 32)).pow(2).mean()\n"
+        "    opt.zero_grad(); loss.backward(); opt.step()\n"
+        "    steps += 1\n"
+    )
+    timer = interrupt_after(1.5)
+    started = time.perf_counter()
+    result = cluster.run(code, timeout=60)
+    elapsed = time.perf_counter() - started
+    timer.join()
+    assert result.interrupted and elapsed < 1.5 + 6
+    assert all(e.kind == "interrupted" for e in result.errors.values())
+    assert all(v > 0 for v in cluster.pull("steps").values())  # state kept
+    assert not any("rebuilt" in a for a in result.actions)
+    assert_collective_works(cluster)
+
+
+def test_row6_stop_button_while_ranks_inside_a_collective(cluster: Cluster):
+    code = "import time\nif rank == 3:\n    time.sleep(600)\ndist.barrier()\n"
+    timer = interrupt_after(1.5)
+    started = time.perf_counter()
+    result = cluster.run(code, timeout=120)
+    elapsed = time.perf_counter() - started
+    timer.join()
+    assert result.interrupted and elapsed < 1.5 + 10
+    assert result.errors[3].kind == "interrupted"
+    assert all(p.state == "alive" for p in cluster.ranks)
+    assert any("rebuilt" in a for a in result.actions), result.actions
+    assert_collective_works(cluster)
+
+
+def test_row7_out_of_memory_on_rank0(cluster: Cluster):
+    code = "if rank == 0:\n    big = torch.empty(2**44, dtype=torch.uint8)\ndist.all_reduce(torch.ones(1))\n"
+    result = cluster.run(code, timeout=60)
+    roots = result.root_causes()
+    assert [e.rank for e in roots] == [0]
+    assert "bytes" in roots[0].evalue or "memory" in roots[0].evalue.lower()
+    assert all(result.errors[r].kind == "collective" for r in (1, 2, 3))
+    assert_collective_works(cluster)
+
+
+def test_row8_segfault_is_reported_with_its_signal(cluster: Cluster):
+    code = "import ctypes, time\nif rank == 1:\n    time.sleep(0.3)\n    ctypes.string_at(0)\ndist.barrier()\n"
+    result = cluster.run(code, timeout=60)
+    err = result.errors[1]
+    assert err.kind == "dead" and "SIGSEGV" in err.evalue
+    assert "Segmentation fault" in err.traceback  # faulthandler's line from the engine log
+    cluster.restart()
+    assert_collective_works(cluster)
+
+
+def test_row9_controller_killed(cluster: Cluster):
+    controller_pid = cluster._controller_pid[0]
+    os.kill(controller_pid, signal.SIGKILL)
+    started = time.perf_counter()
+    deadline = time.monotonic() + 10
+    while not cluster.controller_lost and time.monotonic() < deadline:
+        cluster.poll_dead()
+        time.sleep(0.1)
+    assert cluster.controller_lost
+    assert "controller lost" in cluster.status().summary_line()
+    result = cluster.run("1", timeout=5)
+    assert time.perf_counter() - started < 20
+    assert result.errors and any("controller" in a for a in result.actions)
+    old = cluster.all_pids()
+    cluster.restart()
+    assert not cluster.controller_lost
+    assert_all_gone([p for p in old if p != controller_pid])
+    assert_collective_works(cluster)
+
+
+def test_row11_stale_files_and_busy_ports_do_not_block_start(cluster_factory, tmp_path):
+    stale = tmp_path / "nbdist-stale"
+    stale.mkdir()
+    (stale / "pids.json").write_text('{"pids": [[999999, 1.0]]}')
+    import socket
+
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    try:
+        fresh = cluster_factory(2)
+        assert_collective_works(fresh)
+    finally:
+        squatter.close()
+
+
+def test_row13_200kb_of_stderr_never_blocks(cluster: Cluster):
+    small = FAST.replace(max_output_chars=50_000)
+    cluster.config, saved = small, cluster.config
+    try:
+        result = cluster.run("import sys\nsys.stderr.write('x' * 200_000 + '\\n')\n'done'", timeout=60)
+    finally:
+        cluster.config = saved
+    result.raise_for_errors()
+    assert all(len(result.stderr[r]) == 200_001 for r in range(4))
+    assert result.grouped_values() == [([0, 1, 2, 3], "'done'")]
+
+
+def test_row15_security_probe(cluster: Cluster):
+    pids = set(cluster.all_pids())
+    listening = []
+    for conn in psutil.net_connections(kind="inet"):
+        if conn.pid in pids and conn.status == psutil.CONN_LISTEN:
+            listening.append((conn.laddr.ip, conn.laddr.port, conn.pid, psutil.Process(conn.pid).cmdline()[-3:]))
+    assert listening
+    assert all(ip.startswith("127.") or ip == "::1" for ip, *_ in listening), listening
+    key_files = []
+    security = os.path.join(cluster.workdir, "profile", "security")
+    for name in os.listdir(security):
+        if name.startswith("ipcontroller") and name.endswith(".json"):
+            import json
+
+            with open(os.path.join(security, name)) as f:
+                key = json.load(f).get("key")
+            if key:
+                key_files.append(key)
+    assert key_files
+    outputs = [str(cluster.status()), repr(cluster)]
+    result = cluster.run("import os\nprint(os.environ.get('IPP_CONNECTION_INFO', ''))")
+    outputs += list(result.stdout.values())
+    for key in key_files:
+        assert all(key not in text for text in outputs)
+
+
+def test_row10_kernel_killed_leaves_no_orphans(tmp_path):
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import sys, time\n"
+        "from nbdist import Cluster\n"
+        "c = Cluster(n=2).start()\n"
+        "print(' '.join(map(str, c.all_pids())), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        line = proc.stdout.readline()
+        pids = [int(p) for p in line.split()]
+        assert len(pids) >= 4, line
+        proc.kill()
+        proc.wait(timeout=10)
+        assert_all_gone(pids, within=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_row14_thirty_cycles_leak_nothing(tmp_path):
+    import glob
+    import tempfile
+
+    me = psutil.Process()
+    fds_before = me.num_fds()
+    dirs_before = set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*")))
+    shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
+    cluster = Cluster(n=2, config=FAST).start()
+    try:
+        for cycle in range(30):
+            cluster.run("t = torch.ones(1); dist.all_reduce(t)").raise_for_errors()
+            cluster.signal_rank(1, signal.SIGKILL)
+            result = cluster.run("dist.barrier()", timeout=20)
+            assert result.errors, cycle
+            cluster.restart()
+    finally:
+        pids = cluster.all_pids()
+        cluster.stop()
+        assert_all_gone(pids)
+    assert not (set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*"))) - dirs_before)
+    assert me.num_fds() <= fds_before + 10
+    if os.path.isdir("/dev/shm"):
+        assert not (set(os.listdir("/dev/shm")) - shm_before)

@@ -1,0 +1,266 @@
+"""The ipyparallel configuration nbdist builds for each launcher (unit level: nothing starts),
+the %dist_start flags that feed it, and one real attach to engines nbdist did not start.
+
+There is no Slurm here: the Slurm tests check the Config and the batch script ipyparallel would
+submit, not a real job. MPI and SSH run for real in tests/test_mpi.py and tests/test_multihost.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+
+from nbdist import Cluster
+from nbdist.errors import NbdistError
+from nbdist.launchers import (
+    LAUNCHERS,
+    MultiHostWarning,
+    build_launcher_plan,
+    engine_command,
+    has_local_pid,
+    ssh_engine_hosts,
+)
+from tests.conftest import FAST
+
+ENGINE = [sys.executable, "-m", "nbdist.worker.engine"]
+
+
+def test_local_plan_stays_on_loopback():
+    plan = build_launcher_plan("local")
+    assert plan.cluster_kwargs["controller_ip"] == "127.0.0.1"
+    assert "controller_location" not in plan.cluster_kwargs
+    assert not plan.spans_hosts and plan.engine_pids_local
+    assert plan.config.LocalEngineSetLauncher.engine_cmd == ENGINE
+    assert plan.config.LocalEngineLauncher.engine_cmd == ENGINE
+    assert plan.cluster_kwargs["engine_launcher_class"].endswith(".LocalEngineSetLauncher")
+    assert "controller_args" not in plan.cluster_kwargs  # ipyparallel's own heartbeat defaults
+
+
+def test_unknown_launcher_and_option_are_clear_errors():
+    with pytest.raises(NbdistError, match="choose one of local, mpi, slurm, ssh"):
+        build_launcher_plan("pbs")
+    with pytest.raises(NbdistError, match="does not take option.*mpi_arg"):
+        build_launcher_plan("mpi", {"mpi_arg": "-x"})
+    with pytest.raises(NbdistError, match="needs hosts"):
+        build_launcher_plan("ssh")
+    with pytest.raises(NbdistError, match="does not take hosts"):
+        build_launcher_plan("slurm", {"hosts": ["a"]})
+    with pytest.raises(NbdistError, match="launcher"):
+        Cluster(n=2, launcher="kubernetes")
+
+
+def test_slurm_config_passes_options_through():
+    plan = build_launcher_plan("slurm", {
+        "partition": "gpu", "account": "proj42", "qos": "high", "timelimit": "2:00:00",
+        "options": "--gpus-per-task=1 --cpus-per-task=8",
+        "SlurmEngineSetLauncher.batch_file_name": "nbdist_engines.sbatch",
+    }, n=8)
+    slurm = plan.config.SlurmEngineSetLauncher
+    assert slurm.queue == "gpu" and slurm.account == "proj42" and slurm.qos == "high"
+    assert slurm.timelimit == "2:00:00"
+    # ipyparallel 9.2 drops SlurmLauncher.options from its default script: nbdist writes them
+    # as #SBATCH lines of the engine job's template instead
+    assert "#SBATCH --gpus-per-task=1\n#SBATCH --cpus-per-task=8" in slurm.batch_template
+    assert "options" not in slurm
+    assert slurm.batch_file_name == "nbdist_engines.sbatch"  # "Class.trait" is verbatim
+    assert slurm.engine_cmd == ENGINE
+    assert plan.cluster_kwargs["engine_launcher_class"].endswith(".SlurmEngineSetLauncher")
+    # engines land on nodes we cannot know in advance: the controller listens off loopback,
+    # advertises this host, and finds dead nodes by a short heartbeat
+    assert plan.spans_hosts and not plan.engine_pids_local
+    assert plan.cluster_kwargs["controller_ip"] == "0.0.0.0"
+    assert plan.cluster_kwargs["controller_location"]
+    assert "--HeartMonitor.period=1000" in plan.cluster_kwargs["controller_args"]
+
+
+def test_slurm_batch_script_ipyparallel_would_submit(tmp_path):
+    """Render the sbatch script through ipyparallel's own SlurmEngineSetLauncher (no sbatch)."""
+    from ipyparallel.cluster.launcher import SlurmEngineSetLauncher
+
+    plan = build_launcher_plan("slurm", {"partition": "gpu", "account": "proj42",
+                                         "timelimit": "30", "options": "--gpus-per-task=1 -c 8"})
+    launcher = SlurmEngineSetLauncher(config=plan.config, work_dir=str(tmp_path),
+                                      profile_dir=str(tmp_path), cluster_id="abc")
+    launcher.write_batch_script(4)
+    script = (tmp_path / launcher.batch_file_name).read_text()
+    assert "#SBATCH --ntasks=4" in script
+    assert "#SBATCH --partition=gpu" in script
+    assert "#SBATCH --account=proj42" in script
+    assert "#SBATCH --time=30" in script
+    assert "#SBATCH --gpus-per-task=1\n#SBATCH -c 8\n" in script
+    assert "#SBATCH --job-name=ipengine-abc" in script
+    assert f"srun {sys.executable} -m nbdist.worker.engine" in script
+
+
+def test_slurm_with_interface_binds_that_address_only():
+    plan = build_launcher_plan("slurm", {}, interface="lo")
+    assert plan.cluster_kwargs["controller_ip"] == "127.0.0.1"  # lo's address, not 0.0.0.0
+    with pytest.raises(NbdistError, match="no IPv4 address"):
+        build_launcher_plan("slurm", {}, interface="no-such-if0")
+
+
+def test_mpi_config_and_when_it_spans_hosts():
+    plan = build_launcher_plan("mpi", {"mpi_args": "--oversubscribe --bind-to none"})
+    mpi = plan.config.MPIEngineSetLauncher
+    assert mpi.mpi_args == ["--oversubscribe", "--bind-to", "none"]
+    assert mpi.engine_cmd == ENGINE  # ipyparallel appends --mpi
+    assert not plan.spans_hosts and plan.engine_pids_local
+    assert plan.cluster_kwargs["controller_ip"] == "127.0.0.1"
+
+    multi = build_launcher_plan("mpi", {"hosts": "node1,node2", "mpi_cmd": ["mpirun"]})
+    assert multi.config.MPIEngineSetLauncher.mpi_args[:2] == ["--host", "node1,node2"]
+    assert multi.config.MPIEngineSetLauncher.mpi_cmd == ["mpirun"]
+    assert multi.spans_hosts and not multi.engine_pids_local
+    assert build_launcher_plan("mpi", {"mpi_args": ["--hostfile", "hosts.txt"]}).spans_hosts
+
+
+def test_ssh_config_hosts_python_and_no_key_files_copied():
+    plan = build_launcher_plan("ssh", {
+        "hosts": ["127.0.0.1", "localhost"], "ssh_args": "-p 2222 -i key",
+        "remote_python": "/opt/venv/bin/python", "user": "me",
+    }, n=4)
+    ssh = plan.config.SSHEngineSetLauncher
+    assert ssh.engines == {"127.0.0.1": 2, "localhost": 2}
+    assert ssh.ssh_args == ["-p", "2222", "-i", "key"]
+    assert ssh.user == "me"
+    assert ssh.engine_cmd == ["/opt/venv/bin/python", "-m", "nbdist.worker.engine"]
+    assert plan.config.SSHEngineLauncher.to_send == []  # connection info goes by env over stdin
+    assert plan.spans_hosts and not plan.engine_pids_local
+    # the controller binds the address this machine reaches the first host by
+    assert plan.cluster_kwargs["controller_ip"] == "127.0.0.1"
+
+
+def test_ssh_host_lists():
+    assert ssh_engine_hosts(["a", "b"], 5) == {"a": 3, "b": 2}
+    assert ssh_engine_hosts("a,b", None) == {"a": 1, "b": 1}
+    assert ssh_engine_hosts("a*4,b*2", None) == {"a": 4, "b": 2}
+    assert ssh_engine_hosts({"me@a:2222": 8}, None) == {"me@a:2222": 8}
+    with pytest.raises(NbdistError, match="count"):
+        ssh_engine_hosts("a*2,b", None)
+    with pytest.raises(NbdistError, match="at least one"):
+        ssh_engine_hosts({"a": 0}, None)
+
+
+def test_curve_heartbeat_and_controller_passthrough():
+    plan = build_launcher_plan("ssh", {"hosts": ["127.0.0.1"], "curve": True,
+                                       "heartbeat_period_ms": 250, "heartbeat_misses": 4,
+                                       "controller_ip": "10.0.0.5",
+                                       "controller_args": ["--log-level=20"]})
+    args = plan.cluster_kwargs["controller_args"]
+    assert "--IPController.enable_curve=True" in args and "--log-level=20" in args
+    assert "--HeartMonitor.period=250" in args
+    assert "--HeartMonitor.max_heartmonitor_misses=4" in args
+    assert plan.cluster_kwargs["controller_ip"] == "10.0.0.5"
+    local_curve = build_launcher_plan("local", {"curve": True})
+    assert local_curve.cluster_kwargs["controller_args"] == ["--IPController.enable_curve=True"]
+    assert local_curve.cluster_kwargs["controller_ip"] == "127.0.0.1"
+
+
+def test_every_launcher_builds_an_ipyparallel_cluster():
+    """ipyparallel accepts the class and config nbdist builds (constructing starts nothing)."""
+    import logging
+
+    import ipyparallel as ipp
+
+    for name in LAUNCHERS:
+        options = {"hosts": ["127.0.0.1"]} if name == "ssh" else {}
+        plan = build_launcher_plan(name, options, n=2)
+        cluster = ipp.Cluster(n=2, config=plan.config, log=logging.getLogger("t"),
+                              shutdown_atexit=False, **plan.cluster_kwargs)
+        assert cluster.engine_launcher_class.__name__.lower().startswith(name)
+        assert engine_command()[-1] == "nbdist.worker.engine"
+
+
+def test_has_local_pid_by_launcher_kind():
+    from ipyparallel.cluster.launcher import (
+        LocalEngineLauncher,
+        MPIEngineSetLauncher,
+        SlurmEngineSetLauncher,
+        SSHEngineLauncher,
+    )
+
+    assert has_local_pid(LocalEngineLauncher()) and has_local_pid(MPIEngineSetLauncher())
+    assert not has_local_pid(SSHEngineLauncher()) and not has_local_pid(SlurmEngineSetLauncher())
+
+
+def test_cluster_constructor_validates_launcher_options_without_starting():
+    cluster = Cluster(n=2, launcher="slurm", launcher_options={"partition": "gpu"})
+    assert not cluster.running and cluster.launcher == "slurm"
+    with pytest.raises(NbdistError, match="does not combine"):
+        Cluster(profile="mine", launcher="ssh", launcher_options={"hosts": ["a"]})
+
+
+def test_dist_start_flags_reach_the_cluster(monkeypatch):
+    from nbdist import magics
+
+    seen: dict[str, object] = {}
+
+    class Recorder:
+        def __init__(self, **kwargs: object) -> None:
+            seen.update(kwargs)
+            raise NbdistError("recorded")
+
+    monkeypatch.setattr(magics, "Cluster", Recorder)
+    shell = _shell()
+    with pytest.raises(UsageError, match="recorded"):
+        shell.run_line_magic("dist_start", "-n 4 --launcher ssh --hosts a*2,b*2 --interface eth1 "
+                             "--master-addr 10.0.0.2 --curve -o ssh_args='-p 2222'")
+    assert seen["launcher"] == "ssh" and seen["interface"] == "eth1"
+    assert seen["master_addr"] == "10.0.0.2"
+    assert seen["launcher_options"] == {"ssh_args": "-p 2222", "hosts": "a*2,b*2", "curve": True}
+    seen.clear()
+    with pytest.raises(UsageError, match="recorded"):
+        shell.run_line_magic("dist_start", "--profile mycluster")
+    assert seen["profile"] == "mycluster" and "launcher" not in seen
+    with pytest.raises(UsageError, match="KEY=VALUE"):
+        shell.run_line_magic("dist_start", "--launcher slurm -o partition")
+
+
+def _shell():
+    from IPython.testing.globalipapp import get_ipython
+
+    shell = get_ipython()
+    shell.run_line_magic("load_ext", "nbdist")
+    return shell
+
+
+def test_attach_uses_engines_it_did_not_start_and_never_kills_them(tmp_path):
+    """`ipcluster start` stand-in: an ipyparallel cluster started here, outside nbdist."""
+    import logging
+
+    import ipyparallel as ipp
+
+    user_cluster = ipp.Cluster(n=2, profile_dir=str(tmp_path / "profile"), controller_ip="127.0.0.1",
+                               log=logging.getLogger("user"), shutdown_atexit=False, delay=0)
+    user_cluster.start_cluster_sync()
+    try:
+        user_pids = [la.pid for es in user_cluster.engines.values() for la in es.launchers.values()]
+        user_pids.append(user_cluster.controller.pid)
+        cluster = Cluster.attach(profile_dir=str(tmp_path / "profile"),
+                                 cluster_id=user_cluster.cluster_id, config=FAST)
+        try:
+            assert cluster.world_size == 2 and cluster.all_pids() == []
+            result = cluster.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()")
+            assert result.raise_for_errors().grouped_values() == [([0, 1], "3.0")]
+            assert {p.local for p in cluster.ranks} == {True}
+            assert cluster.master_addr == "127.0.0.1"
+        finally:
+            stopped = cluster.stop()
+        assert stopped == []
+        assert all(psutil.pid_exists(pid) for pid in user_pids)
+        # the engines are the user's again: a plain ipyparallel call still works
+        client = user_cluster.connect_client_sync()
+        assert client[:].apply_sync(os.getpid) and len(client.ids) == 2
+        client.close()
+    finally:
+        user_cluster.stop_cluster_sync()
+
+
+def test_multihost_warning_is_an_nbdist_warning():
+    from nbdist import NbdistWarning
+
+    assert issubclass(MultiHostWarning, NbdistWarning)
