@@ -37,10 +37,11 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", "NbdistWarning", "load_ipython_extension", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbdist.cluster import Cluster
-    from nbdist.config import NbdistConfig
-    from nbdist.errors import DistributedCellError, NbdistError
-    from nbdist.runner import CellResult
+    from nbdist.cluster import Cluster as Cluster
+    from nbdist.config import NbdistConfig as NbdistConfig
+    from nbdist.errors import DistributedCellError as DistributedCellError
+    from nbdist.errors import NbdistError as NbdistError
+    from nbdist.runner import CellResult as CellResult
 
 
 def __getattr__(name: str) -> Any:

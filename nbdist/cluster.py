@@ -470,7 +470,7 @@ class Cluster:
 
     def _collect(self, asyncs: dict[int, Any], timeout: float, what: str) -> dict[int, Any]:
         deadline = time.monotonic() + timeout
-        for eid, ar in asyncs.items():
+        for ar in asyncs.values():
             remaining = max(0.0, deadline - time.monotonic())
             try:
                 ar.get(timeout=remaining)

@@ -248,7 +248,7 @@ class DistMagics(Magics):
         choice = line.strip().lower()
         if choice not in ("on", "off"):
             raise UsageError("%autodist takes on or off")
-        transformers = self.shell.input_transformers_post
+        transformers = self.shell.input_transformers_cleanup
         if choice == "on":
             if _autodist_transform not in transformers:
                 transformers.append(_autodist_transform)
@@ -301,5 +301,5 @@ def register_magics(ipython: Any) -> None:
 
 
 def unregister_magics(ipython: Any) -> None:
-    if _autodist_transform in ipython.input_transformers_post:
-        ipython.input_transformers_post.remove(_autodist_transform)
+    if _autodist_transform in ipython.input_transformers_cleanup:
+        ipython.input_transformers_cleanup.remove(_autodist_transform)

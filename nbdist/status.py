@@ -61,8 +61,8 @@ class ClusterStatus:
                  str(r.threads), r.state) for r in self.rows]
         widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
                   for i, h in enumerate(header)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in body]
+        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
         return "\n".join(line.rstrip() for line in lines)
 
     def __str__(self) -> str:

@@ -264,3 +264,16 @@ def test_multihost_warning_is_an_nbdist_warning():
     from nbdist import NbdistWarning
 
     assert issubclass(MultiHostWarning, NbdistWarning)
+
+
+def test_curve_option_encrypts_a_real_local_cluster(cluster_factory):
+    import json
+
+    cluster = cluster_factory(2, launcher_options={"curve": True})
+    security = os.path.join(cluster.workdir, "profile", "security")
+    client_files = [f for f in os.listdir(security) if f.endswith("-client.json")]
+    with open(os.path.join(security, client_files[0])) as f:
+        info = json.load(f)
+    assert info["curve_serverkey"] and info["key"] == ""  # CurveZMQ replaces the HMAC key
+    result = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").raise_for_errors()
+    assert result.grouped_values() == [([0, 1], "2.0")]

@@ -1,0 +1,87 @@
+"""The magics driven through a real IPython shell, against real engines."""
+
+from __future__ import annotations
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+from IPython.testing.globalipapp import start_ipython
+
+from nbdist import magics
+from tests.conftest import assert_all_gone
+
+
+@pytest.fixture(scope="module")
+def ip():
+    shell = start_ipython()
+    shell.run_line_magic("load_ext", "nbdist")
+    yield shell
+    cluster = magics.current_cluster()
+    if cluster is not None and cluster.running:
+        pids = cluster.all_pids()
+        cluster.stop()
+        assert_all_gone(pids)
+
+
+def test_cell_before_start_says_so(ip):
+    with pytest.raises(UsageError, match="run %dist_start first"):
+        ip.run_cell_magic("distributed", "", "print(1)")
+
+
+@pytest.mark.parametrize("line,message", [
+    ("-n 0", "must be 1 or more"), ("-n two", "not a whole number"),
+    ("--backend mpi", "invalid choice"), ("--bogus", "unrecognized arguments"),
+])
+def test_bad_start_arguments(ip, line, message):
+    with pytest.raises(UsageError, match=message):
+        ip.run_line_magic("dist_start", line)
+    assert magics.current_cluster() is None
+
+
+def test_session(ip, capsys):
+    ip.run_line_magic("dist_start", "-n 2")
+    out = capsys.readouterr().out
+    assert "2 rank(s) ready (gloo)" in out and "rank  local  host" in out
+    ip.run_line_magic("dist_start", "-n 2")
+    assert "already running; not starting a second one" in capsys.readouterr().out
+
+    ip.run_cell_magic("distributed", "", "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nprint('hello', rank)\nt")
+    out = capsys.readouterr().out
+    assert "[rank 0]\x1b[0m hello 0" in out and "[rank 1]\x1b[0m hello 1" in out
+    assert "Out[ranks 0-1]: tensor([3.])" in out
+
+    ip.run_cell_magic("distributed", "--ranks 1 --rank0", "print('only one')\nrank")
+    assert "only one" not in capsys.readouterr().out  # --rank0 hides rank 1's output
+
+    for line, message in [("--ranks 5", "do not exist"), ("--ranks 1-0", "backwards"),
+                          ("--timeout -1", "more than 0"), ("--nope", "unrecognized")]:
+        with pytest.raises(UsageError, match=message):
+            ip.run_cell_magic("distributed", line, "pass")
+
+    ip.user_ns["lr"] = 0.5
+    ip.run_line_magic("dist_push", "lr scale=2*lr")
+    assert ip.run_line_magic("dist_pull", "scale") == {0: 1.0, 1: 1.0}
+    with pytest.raises(UsageError, match="not defined in the notebook"):
+        ip.run_line_magic("dist_push", "missing_name")
+
+    ip.user_ns["notebook_value"] = "untouched"
+    with pytest.raises(Exception, match="rank 1 raised ZeroDivisionError"):
+        ip.run_cell_magic("distributed", "", "if rank == 1:\n    1/0\ndist.barrier()")
+    assert ip.user_ns["notebook_value"] == "untouched"
+    ip.run_cell_magic("distributed", "", "dist.barrier()\n'ok'")
+    assert "Out[ranks 0-1]: 'ok'" in capsys.readouterr().out
+
+    status = ip.run_line_magic("dist_status", "")
+    assert "2 rank(s), gloo" in str(status)
+
+    ip.run_line_magic("autodist", "on")
+    ip.run_cell("auto_value = rank * 7")
+    ip.run_line_magic("autodist", "off")
+    assert ip.run_line_magic("dist_pull", "auto_value") == {0: 0, 1: 7}
+
+    cluster = magics.current_cluster()
+    pids = cluster.all_pids()
+    ip.run_line_magic("dist_stop", "")
+    assert "stopped" in capsys.readouterr().out
+    assert_all_gone(pids, within=5)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]
