@@ -123,6 +123,7 @@ class Cluster:
         self._attach_target: dict[str, Any] | None = None
         self._spans_hosts = False
         self._lost_ranks: list[int] = []
+        self._engine_logs: dict[int, Any] = {}
         if profile is not None:
             if launcher != "local" or launcher_options:
                 raise NbdistError(
@@ -319,6 +320,9 @@ class Cluster:
             for launcher in engine_set_launchers(engine_set):
                 if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
                     launcher.on_stop(self._engine_stopped)
+                    # ipyparallel drops a stopped engine's launcher from its set and removes its
+                    # log file (keeping the text): hold on to the launcher for engine_log_tail
+                    self._engine_logs[launcher.pid] = launcher
                     self._record_exit_status(launcher)
         self._write_pidfile()
 
@@ -585,16 +589,21 @@ class Cluster:
     def engine_log_tail(self, rank: int, lines: int) -> str:
         """The last lines an engine wrote to its own log (crash messages land there)."""
         pid = self.ranks[rank].pid
-        for la in self._launchers():
-            if la.pid == pid:
-                try:
-                    with open(la.output_file, errors="replace") as f:
-                        text = f.read()
-                except OSError:
-                    return ""
-                keep = [ln for ln in text.splitlines() if ln.strip() and "[IPEngine]" not in ln]
-                return "\n".join(keep[-lines:])
-        return ""
+        launcher = self._engine_logs.get(pid)
+        if launcher is None:
+            launcher = next((la for la in self._launchers() if la.pid == pid), None)
+        if launcher is None:
+            return ""
+        try:
+            if launcher.state == "after":  # stopped: ipyparallel keeps the text, not the file
+                text = launcher.get_output()
+            else:
+                with open(launcher.output_file, errors="replace") as f:
+                    text = f.read()
+        except (OSError, AttributeError):
+            return ""
+        keep = [ln for ln in text.splitlines() if ln.strip() and "[IPEngine]" not in ln]
+        return "\n".join(keep[-lines:])
 
     def signal_rank(self, rank: int, sig: int) -> None:
         proc = self.ranks[rank]
