@@ -34,7 +34,7 @@ def test_quick_mode_measures_and_writes_the_table(tmp_path: Path) -> None:
     assert nb["B1"]["seconds"] > 0 and nb["B2"]["n"] == 3 and nb["B3"]["n"] == 3
     assert nb["B9"]["left"] == [], "nbdist left processes behind after %dist_stop"
     assert data["runs"]["ipyparallel"][0]["B2"]["n"] == 3
-    assert data["b5"] and data["b5"][0]["ratio"] > 0
+    assert data["b5"] and data["b5"][0]["ratio_cpu_paired"] > 0
 
 
 def test_table_from_synthetic_measurements() -> None:
@@ -53,11 +53,12 @@ def test_table_from_synthetic_measurements() -> None:
                          "B7": {"seconds": None, "cap": 20.0}, "B9": {"seconds": 2.0, "left": [1]}}],
     }
     data.torchrun = [{"steps_per_s": 5.0}]
-    data.b5 = [{"ratio": 1.004, "step_ms_without": 10.0, "step_ms_with": 10.04, "log_call_us": 0.5,
-                "sample_us": 30.0}]
+    data.b5 = [{"ratio_cpu_paired": 1.004, "ratio_wall_paired": 1.01, "log_call_us": 0.5,
+                "tick_us": 30.0}]
     text = bench.render(data, bench.Settings(command="test"))
     assert "| B1 | ≤ 0.5 × raw ipyparallel | 0.40× | met |" in text
     assert "| B2 | ≤ 0.8 × raw `view.execute` | 0.50× | met |" in text
     assert "| B4 | ≥ 0.97 × torchrun | 1.00× | met |" in text
     assert "> 20.0 s (still blocked; stopped by PID)" in text
     assert "left after stop: 1" in text
+    assert "| B5 | ≤ 1 % overhead (ratio ≤ 1.01) | 1.004 | met |" in text

@@ -99,7 +99,11 @@ def alive(pids: list[tuple[int, float]]) -> list[int]:
 def interrupt_main_after(seconds: float) -> dict[str, float]:
     """The stop button: KeyboardInterrupt in the main thread after `seconds`; records when."""
     import _thread
+    import signal
 
+    # a process started in the background (nohup ... &) inherits SIGINT ignored, and then
+    # interrupt_main does nothing: restore Python's own handler, as in a notebook kernel
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     when: dict[str, float] = {}
 
     def fire() -> None:
