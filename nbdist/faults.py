@@ -51,11 +51,20 @@ def dead_rank_error(run: CellRun, rank: int) -> RankError:
     if tail:
         lines.append("its last output lines:")
         lines.extend(f"  {line}" for line in tail)
-    log_tail = run.cluster.engine_log_tail(rank, 8)
+    log_tail = _crash_excerpt(run.cluster.engine_log_tail(rank, 80))
     if log_tail:
         lines.append("its engine log ends with:")
         lines.extend(f"  {line}" for line in log_tail.splitlines())
     return RankError(rank=rank, kind="dead", ename="RankDied", evalue=detail, traceback="\n".join(lines))
+
+
+def _crash_excerpt(log: str) -> str:
+    """From an engine log: faulthandler's block ("Fatal Python error: ...") if there is one."""
+    lines = [ln for ln in log.splitlines() if "[KernelNanny" not in ln]
+    starts = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
+    if starts:
+        return "\n".join(lines[starts[-1]:starts[-1] + 12])
+    return "\n".join(lines[-8:])
 
 
 def apply_fault_policy(run: CellRun) -> None:

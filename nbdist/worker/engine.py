@@ -7,6 +7,7 @@ start-up and registration, so the rank bootstrap finds it already loaded.
 from __future__ import annotations
 
 import faulthandler
+import os
 import threading
 
 
@@ -18,9 +19,16 @@ def _preload() -> None:
         pass
 
 
+_CRASH_LOG = None
+
+
 def main() -> None:
     # a segfault or abort then leaves a Python stack in the engine log, which nbdist shows
-    faulthandler.enable()
+    # ipykernel later points fd 2 at a pipe that a thread forwards to the notebook; that thread
+    # dies with the process, so write crash stacks to a duplicate of the real stderr (the log)
+    global _CRASH_LOG
+    _CRASH_LOG = os.fdopen(os.dup(2), "w")
+    faulthandler.enable(file=_CRASH_LOG)
     threading.Thread(target=_preload, name="nbdist-preload", daemon=True).start()
     from ipyparallel.engine.app import main as engine_main
 
