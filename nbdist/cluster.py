@@ -510,8 +510,13 @@ class Cluster:
             return pids  # attached engines belong to the user: nbdist never kills them
         if self._controller_pid:
             pids.append(self._controller_pid)
+        return sorted(set(pids + self._engine_pids()))
+
+    def _engine_pids(self) -> list[tuple[int, float]]:
+        """Local engine processes with their children (nannies), and the ranks' helpers."""
+        pids: list[tuple[int, float]] = []
         for la in self._launchers():
-            if not has_local_pid(la):
+            if not has_local_pid(la):  # a remote PID number must never select a local process
                 continue
             try:
                 proc = psutil.Process(la.pid)
@@ -522,7 +527,7 @@ class Cluster:
         for rank in self.ranks:
             if rank.local:
                 pids.extend(rank.helper_pids)
-        return sorted(set(pids))
+        return pids
 
     def _write_pidfile(self) -> None:
         if self._pidfile and os.path.isdir(self._workdir):
@@ -756,18 +761,7 @@ class Cluster:
         return self
 
     def _stop_engines(self) -> None:
-        pids = []
-        for la in self._launchers():
-            try:
-                proc = psutil.Process(la.pid)
-                pids.append((la.pid, proc.create_time()))
-                pids.extend((c.pid, c.create_time()) for c in proc.children(recursive=True))
-            except psutil.NoSuchProcess:
-                pass
-        for rank in self.ranks:
-            if rank.local:
-                pids.extend(rank.helper_pids)
-        watchdog.terminate_all(pids, grace=self.config.stop_timeout)
+        watchdog.terminate_all(self._engine_pids(), grace=self.config.stop_timeout)
         try:
             self._ipp.stop_engines_sync()
         except Exception:

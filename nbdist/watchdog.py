@@ -49,19 +49,24 @@ def same_process(pid: int, create_time: float) -> psutil.Process | None:
 def terminate_all(pids: list[tuple[int, float]], grace: float) -> list[int]:
     """SIGTERM each still-living recorded process, SIGKILL what is left after `grace` seconds."""
     alive = [p for p in (same_process(pid, ct) for pid, ct in pids) if p is not None]
-    for proc in alive:
+    stop_processes(alive, grace)
+    return [p.pid for p in alive]
+
+
+def stop_processes(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM these processes, then SIGKILL whichever is still running after `grace` seconds."""
+    for proc in procs:
         try:
             proc.send_signal(signal.SIGTERM)
         except psutil.NoSuchProcess:
             pass
-    _gone, still = psutil.wait_procs(alive, timeout=grace)
+    _gone, still = psutil.wait_procs(procs, timeout=grace)
     for proc in still:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(still, timeout=grace)
-    return [p.pid for p in alive]
 
 
 def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str, interval: float) -> None:

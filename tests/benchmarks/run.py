@@ -18,7 +18,6 @@ import datetime
 import json
 import os
 import platform
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 import psutil
 
+from nbdist.watchdog import stop_processes
 from tests.benchmarks.common import ROOT
 
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")
@@ -118,18 +118,7 @@ def reap(marker: str, grace: float = 3.0) -> list[str]:
                 found.append(proc)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess, OSError):
             continue
-    for proc in found:
-        try:
-            proc.send_signal(signal.SIGTERM)
-        except psutil.NoSuchProcess:
-            pass
-    _gone, alive = psutil.wait_procs(found, timeout=grace)
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=grace)
+    stop_processes(found, grace)
     names = []
     for proc in found:
         try:
