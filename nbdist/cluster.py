@@ -59,6 +59,7 @@ class RankProcess:
     state: str = "alive"  # alive | dead
     exit_detail: str = ""
     local: bool = True  # a process on this machine (signalled by PID); else through the controller
+    release_signal: int | None = None  # the engine's "fail your blocked collective" signal, if any
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -453,6 +454,7 @@ class Cluster:
                 threads=results[spec.engine_id]["threads"],
                 helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
                 local=self._is_local_engine(probes[spec.engine_id]),
+                release_signal=probes[spec.engine_id].get("release_signal"),
             )
             for spec in specs
         ]
@@ -609,6 +611,15 @@ class Cluster:
             return ""
         keep = [ln for ln in text.splitlines() if ln.strip() and "[IPEngine]" not in ln]
         return "\n".join(keep[-lines:])
+
+    def release_rank(self, rank: int) -> bool:
+        """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);
+        False if its engine was not started by nbdist and has no such signal."""
+        sig = self.ranks[rank].release_signal
+        if sig is None or self.ranks[rank].state != "alive":
+            return False
+        self.signal_rank(rank, sig)
+        return True
 
     def signal_rank(self, rank: int, sig: int) -> None:
         proc = self.ranks[rank]

@@ -39,6 +39,11 @@ class NbdistConfig:
     interrupt_grace: float = 2.0
     """After SIGINT, seconds for ranks running Python to stop before the ladder's next step."""
 
+    collective_grace: float = 0.5
+    """After SIGINT, seconds before a rank its telemetry shows blocked inside a collective is
+    made to fail there (it cannot see SIGINT until the collective returns, which needs peers
+    that were just interrupted)."""
+
     teardown_grace: float = 3.0
     """After tearing down process groups, seconds before an engine still busy is killed."""
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import re
 import signal
 import time
-from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from nbdist.errors import NbdistError
@@ -107,7 +106,8 @@ def _finished_with_error(run: CellRun, rank: int) -> bool:
 
 
 def interrupt_ladder(run: CellRun, ranks: list[int], reason: str) -> None:
-    """SIGINT -> (grace) -> tear down idle peers' groups -> (grace) -> SIGKILL those still stuck."""
+    """SIGINT -> (grace) -> make collectives still blocked fail (release signal) and tear down idle
+    peers' groups -> (grace) -> SIGKILL those still stuck."""
     if not ranks:
         return
     run.ladder_ran = True
@@ -116,17 +116,31 @@ def interrupt_ladder(run: CellRun, ranks: list[int], reason: str) -> None:
     for rank in sorted(stuck):
         cluster.signal_rank(rank, signal.SIGINT)
     run.result.actions.append(f"sent SIGINT to rank(s) {format_ranks(sorted(stuck))} ({reason})")
-    if _pump(run, run.config.interrupt_grace, stuck):
+    first = min(run.config.collective_grace, run.config.interrupt_grace)
+    if _pump(run, first, stuck):
         return
     stuck &= run.pending
+    if not all(_where(run, r).get("collective") for r in stuck):
+        # some rank is in Python or in a long C call: give SIGINT the full grace
+        if _pump(run, run.config.interrupt_grace - first, stuck):
+            return
+        stuck &= run.pending
+    released = [r for r in sorted(stuck) if cluster.release_rank(r)]
+    if released:
+        run.torn_down = True
+        run.result.actions.append(
+            f"rank(s) {format_ranks(released)} stayed blocked inside a collective; made it fail "
+            "there (the process group is rebuilt after the cell)"
+        )
     idle = [p.spec.rank for p in cluster.ranks if p.state == "alive" and p.spec.rank not in run.pending]
     if idle and cluster.backend == "gloo":
         run.torn_down = True
         done = cluster.teardown_process_group(idle, timeout=run.config.teardown_grace)
         run.result.actions.append(
-            f"rank(s) {format_ranks(sorted(stuck))} stayed blocked (inside a collective); tore down "
-            f"the process group on idle rank(s) {format_ranks(done)} to release them"
+            f"tore down the process group on idle rank(s) {format_ranks(done)} to release "
+            f"rank(s) {format_ranks(sorted(stuck))} blocked on them"
         )
+    if released or idle:
         if _pump(run, run.config.teardown_grace, stuck):
             return
         stuck &= run.pending
@@ -197,27 +211,42 @@ def on_deadline(run: CellRun) -> None:
     _desync(run, counts)
     for line in run.hang_report:
         run.sink.on_status(line)
+    run.result.report_shown = getattr(run.sink, "shows_status", True)
     interrupt_ladder(run, sorted(run.pending), reason="deadline")
 
 
 def _desync(run: CellRun, pending_counts: dict[int, int]) -> None:
-    """Name ranks that entered a different number of collectives than the others."""
+    """Name the rank the others wait for: one still in Python that has not reached the collective
+    yet (a hang on that rank), or one that finished the cell after fewer collectives (it skipped
+    one: a desync)."""
+    waiting = {r: c for r, c in pending_counts.items() if _where(run, r).get("collective")}
+    if not waiting:
+        return  # nobody blocked in a collective: a plain hang, the stacks say it all
     finished = [r for r in run.targets if r not in run.pending]
-    if finished and pending_counts:
-        reports = _reports(run, finished)
-        counts = dict(pending_counts)
-        for rank, rep in reports.items():
-            counts[rank] = int(rep.get("collectives_entered", 0))
-    else:
-        counts = pending_counts
-    if len(set(counts.values())) <= 1 or len(counts) < 2:
-        return
-    majority, _n = Counter(counts.values()).most_common(1)[0]
-    odd = sorted(r for r, c in counts.items() if c != majority)
-    for rank in odd:
+    counts = dict(pending_counts)
+    for rank, rep in _reports(run, finished).items():
+        counts[rank] = int(rep.get("collectives_entered", 0))
+    deepest = max(waiting.values())
+    coll = _where(run, max(waiting, key=lambda r: waiting[r]))["collective"]
+    waiters = format_ranks(sorted(r for r, c in waiting.items() if c == deepest))
+    behind = sorted(r for r, c in counts.items() if c < deepest and r not in waiting)
+    for rank in behind:
+        if rank in run.pending:
+            run.hang_report.append(
+                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) {waiters} "
+                f"wait in: it is still running Python ({_where_text(run, rank) or 'see its stack'})"
+            )
+        else:
+            run.hang_report.append(
+                f"desync: rank {rank} finished the cell after {counts[rank]} collective(s) while "
+                f"rank(s) {waiters} wait in {coll['name']} #{coll['index']}: rank {rank} skipped a "
+                "collective (or the others ran one more)"
+            )
+    mismatched = sorted(r for r, c in waiting.items() if c != deepest)
+    for rank in mismatched:
         run.hang_report.append(
-            f"desync: rank {rank} entered {counts[rank]} collective(s) in this cell while the others "
-            f"entered {majority}; rank {rank} skipped or added a collective"
+            f"desync: rank {rank} waits in collective #{waiting[rank]} while rank(s) {waiters} wait "
+            f"in #{deepest}: the ranks called a different number of collectives"
         )
 
 

@@ -51,6 +51,7 @@ class CellResult:
     elapsed: float = 0.0
     timed_out: bool = False
     interrupted: bool = False
+    report_shown: bool = False  # the report was already streamed under the cell as it was made
 
     @property
     def ok(self) -> bool:
@@ -102,7 +103,10 @@ class CellResult:
             lines.append("")
         for err in others:
             lines.append(err.headline())
-        lines.extend(self.report)
+        if self.report_shown and self.report:
+            lines.append("(where each rank was at the deadline: see the report above)")
+        else:
+            lines.extend(self.report)
         if self.actions:
             lines.append("")
             lines.extend(f"nbdist: {a}" for a in self.actions)

@@ -35,6 +35,7 @@ class OutputSink(Protocol):
 
 
 class NullSink:
+    shows_status = False  # on_status lines go nowhere: the result must carry them
     def on_stream(self, rank: int, name: str, text: str) -> None:
         pass
 

@@ -73,6 +73,28 @@ def test_row1_rank_raises_while_others_wait_in_all_reduce(cluster: Cluster):
     assert cluster.pull("survivor") == {r: "kept" for r in range(4)}
 
 
+def test_row1_with_a_ddp_model_holding_the_group(cluster: Cluster):
+    # the DDP model keeps the process group object (and its sockets) alive after destroy: the
+    # peers must still be released at once, not by the ladder's kill
+    cluster.run(
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ddp = DDP(torch.nn.Linear(64, 64))\n"
+    ).raise_for_errors()
+    code = (
+        "loss = ddp(torch.randn(8, 64)).sum()\n"
+        "if rank == 1:\n"
+        "    raise ValueError('rank 1 broke before backward')\n"
+        "loss.backward()\n"
+    )
+    result = cluster.run(code, timeout=60)
+    assert [e.rank for e in result.root_causes()] == [1]
+    assert not any("SIGINT" in a or "killed" in a for a in result.actions), result.actions
+    assert all(p.state == "alive" for p in cluster.ranks)
+    assert any("rebuilt" in a for a in result.actions), result.actions
+    assert_collective_works(cluster)
+    cluster.run("del ddp").raise_for_errors()
+
+
 def test_row1_barrier_variant_and_subset(cluster: Cluster):
     result = cluster.run("if rank == 2:\n    1/0\ndist.barrier()", timeout=60)
     assert [e.rank for e in result.root_causes()] == [2]
@@ -163,6 +185,27 @@ def test_row6_stop_button_while_ranks_inside_a_collective(cluster: Cluster):
     assert result.interrupted and elapsed < 1.5 + 10
     assert result.errors[3].kind == "interrupted"
     assert all(p.state == "alive" for p in cluster.ranks)
+    assert any("rebuilt" in a for a in result.actions), result.actions
+    assert_collective_works(cluster)
+
+
+def test_row6_every_rank_blocked_inside_a_collective_is_released_without_a_kill(cluster: Cluster):
+    # nobody is idle, so tearing down idle peers cannot help: only the release signal can
+    code = (
+        "t = torch.zeros(1)\n"
+        "if rank == 3:\n"
+        "    dist.recv(t, src=0)\n"
+        "else:\n"
+        "    dist.barrier()\n"
+    )
+    pids = [p.pid for p in cluster.ranks]
+    timer = interrupt_after(1.5)
+    result = cluster.run(code, timeout=120)
+    timer.join()
+    assert result.interrupted
+    assert any("made it fail" in a for a in result.actions), result.actions
+    assert not any("killed" in a for a in result.actions), result.actions
+    assert [p.pid for p in cluster.ranks] == pids and all(p.state == "alive" for p in cluster.ranks)
     assert any("rebuilt" in a for a in result.actions), result.actions
     assert_collective_works(cluster)
 

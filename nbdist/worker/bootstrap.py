@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.worker import collectives, process_group
+from nbdist.worker import collectives, process_group, release
 from nbdist.worker.agent import TelemetryAgent, install_agent
 
 
@@ -49,6 +49,7 @@ def probe(peer: str | None = None) -> dict[str, Any]:
         "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "torch": torch.__version__,
         "python": sys.executable,
+        "release_signal": int(release.RELEASE_SIGNAL) if release.INSTALLED else None,
     }
 
 
@@ -193,7 +194,11 @@ def _pre_run_cell(*_: Any) -> None:
         RUNTIME.agent.cell_started()
 
 
-def _post_run_cell(*_: Any) -> None:
+def _post_run_cell(result: Any = None, *_: Any) -> None:
+    error = getattr(result, "error_in_exec", None)
+    tracker = collectives.TRACKER
+    if tracker.failed_in is None and collectives.is_transport_failure(error):
+        collectives.record_implicit_failure(tracker, error)
     if RUNTIME.agent is not None:
         RUNTIME.agent.cell_finished()
 

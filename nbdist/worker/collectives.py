@@ -156,6 +156,51 @@ def _release_broken_group(exc: BaseException) -> None:
     process_group.teardown()
 
 
+_TRANSPORT_MARKS = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "Socket Timeout",
+)
+
+
+def is_transport_failure(exc: BaseException | None) -> bool:
+    """A process-group operation failed because a peer went away (not the user's own error)."""
+    if exc is None or isinstance(exc, KeyboardInterrupt):
+        return False
+    try:
+        from torch.distributed import DistBackendError
+
+        if isinstance(exc, DistBackendError):
+            return True
+    except ImportError:
+        pass
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(mark in text for mark in _TRANSPORT_MARKS)
+
+
+def record_implicit_failure(tracker: CollectiveTracker, exc: BaseException) -> CollectiveCall:
+    """A collective torch ran by itself (DDP's gradient all-reduce in backward, FSDP's gathers)
+    failed: record where, as the wrapper does for explicit calls, and close the broken group so
+    peers blocked on this rank fail too."""
+    cell_line = "?"
+    in_backward = False
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        if is_cell_file(code.co_filename):
+            cell_line = describe_location(code.co_filename, tb.tb_lineno)
+        if code.co_name in ("backward", "_engine_run_backward"):
+            in_backward = True
+        tb = tb.tb_next
+    name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
+    call = CollectiveCall(name, cell_line, time.time(), tracker.count)
+    tracker.failed_in = call
+    _release_broken_group(exc)
+    return call
+
+
 def _call_dict(call: CollectiveCall | None) -> dict[str, Any] | None:
     if call is None:
         return None

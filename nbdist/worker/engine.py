@@ -10,6 +10,8 @@ import faulthandler
 import os
 import threading
 
+from nbdist.worker import release
+
 
 def _preload() -> None:
     try:
@@ -27,6 +29,7 @@ def main() -> None:
     # ipykernel later points fd 2 at a pipe that a thread forwards to the notebook; that thread
     # dies with the process, so write crash stacks to a duplicate of the real stderr (the log)
     global _CRASH_LOG
+    release.install()  # first: before any thread starts (see nbdist.worker.release)
     _CRASH_LOG = os.fdopen(os.dup(2), "w")
     faulthandler.enable(file=_CRASH_LOG)
     threading.Thread(target=_preload, name="nbdist-preload", daemon=True).start()

@@ -29,7 +29,10 @@ def init_generation(
     import torch
     import torch.distributed as dist
 
+    from nbdist.worker import release
+
     started = time.perf_counter()
+    sockets_before = release.socket_fds()
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(port)
     kwargs: dict[str, Any] = {}
@@ -48,6 +51,7 @@ def init_generation(
     )
     check = torch.ones(1, device=f"cuda:{gpu}" if backend == "nccl" else "cpu") * (rank + 1)
     dist.all_reduce(check)
+    release.record_group_sockets(sockets_before)
     expected = world_size * (world_size + 1) / 2
     if float(check.item()) != expected:
         raise RuntimeError(
@@ -60,8 +64,9 @@ def init_generation(
 def teardown() -> bool:
     """Abort and destroy the current process group if any; True if there was one.
 
-    destroy alone is not enough: a failed cell's traceback keeps the group's objects (and so its
-    sockets) alive, and peers stay blocked. Abort closes the transport first.
+    destroy alone is not enough: a failed cell's traceback or a DDP model keeps the group's
+    objects (and so its sockets) alive, and peers stay blocked; gloo's abort does not close them
+    either. So the group's sockets are shut down first (nbdist.worker.release).
     """
     import gc
     import sys
@@ -69,8 +74,13 @@ def teardown() -> bool:
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
+    from nbdist.worker import release
+
     if not dist.is_available() or not dist.is_initialized():
+        release.forget_group_sockets()
         return False
+    release.shutdown_group_sockets()  # peers fail now, whatever still references the group
+    release.forget_group_sockets()
     _drop_last_traceback()
     try:
         distributed_c10d._abort_process_group()
