@@ -88,7 +88,7 @@ def test_row1_with_a_ddp_model_holding_the_group(cluster: Cluster):
     )
     result = cluster.run(code, timeout=60)
     assert [e.rank for e in result.root_causes()] == [1]
-    assert not any("SIGINT" in a or "killed" in a for a in result.actions), result.actions
+    assert not any("killed" in a for a in result.actions), result.actions
     assert all(p.state == "alive" for p in cluster.ranks)
     assert any("rebuilt" in a for a in result.actions), result.actions
     assert_collective_works(cluster)
