@@ -116,15 +116,9 @@ def interrupt_ladder(run: CellRun, ranks: list[int], reason: str) -> None:
     for rank in sorted(stuck):
         cluster.signal_rank(rank, signal.SIGINT)
     run.result.actions.append(f"sent SIGINT to rank(s) {format_ranks(sorted(stuck))} ({reason})")
-    first = min(run.config.collective_grace, run.config.interrupt_grace)
-    if _pump(run, first, stuck):
+    if _wait_after_sigint(run, stuck):
         return
     stuck &= run.pending
-    if not all(_where(run, r).get("collective") for r in stuck):
-        # some rank is in Python or in a long C call: give SIGINT the full grace
-        if _pump(run, run.config.interrupt_grace - first, stuck):
-            return
-        stuck &= run.pending
     released = [r for r in sorted(stuck) if cluster.release_rank(r)]
     if released:
         run.torn_down = True
@@ -158,6 +152,45 @@ def interrupt_ladder(run: CellRun, ranks: list[int], reason: str) -> None:
         cluster.ranks[rank].state = "dead"
         cluster.ranks[rank].exit_detail = run.killed[rank]
         cluster.telemetry.rank_state(rank, "dead", run.killed[rank])
+
+
+def _wait_after_sigint(run: CellRun, stuck: set[int]) -> bool:
+    """Give SIGINT time to work; True if every rank stopped. Cut short (after collective_grace)
+    once each rank still running has sent telemetry taken after the signal that shows it inside
+    a collective: those cannot see SIGINT, so waiting the full interrupt_grace would be wasted."""
+    sent = time.time()
+    started = time.perf_counter()
+    grace = run.config.interrupt_grace
+    if _pump(run, min(run.config.collective_grace, grace), stuck):
+        return True
+    while time.perf_counter() - started < grace:
+        waiting = stuck & run.pending
+        fresh = all(_telemetry_time(run, r) > sent for r in waiting)
+        if fresh and all(_blocked_in_collective(run, r) for r in waiting):
+            return False
+        if _pump(run, min(0.1, grace - (time.perf_counter() - started)), stuck):
+            return True
+    return not (stuck & run.pending)
+
+
+def _telemetry_time(run: CellRun, rank: int) -> float:
+    payload = run.cluster.telemetry.last_payload.get(rank) or {}
+    return float(payload.get("t") or 0.0)
+
+
+def _blocked_in_collective(run: CellRun, rank: int) -> bool:
+    """The rank's telemetry shows it inside a collective: an explicit one, or (gloo) autograd's
+    backward, where DDP's reducer all-reduces gradients from C++ threads. A backward that is merely
+    long is released too; on gloo that costs only a rebuild of the group (~0.05 s)."""
+    where = _where(run, rank)
+    if where.get("collective"):
+        return True
+    stack = where.get("stack") or []
+    return (
+        run.cluster.backend == "gloo"
+        and bool(stack)
+        and stack[-1].endswith(("in _engine_run_backward", "in run_backward"))
+    )
 
 
 def _pump(run: CellRun, seconds: float, ranks: set[int]) -> bool:

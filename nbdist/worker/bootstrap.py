@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.worker import collectives, process_group, release
+from nbdist.worker import collectives, process_group, release, tracebacks
 from nbdist.worker.agent import TelemetryAgent, install_agent
 
 
@@ -208,6 +208,7 @@ def _install_hooks(shell: Any) -> None:
         return
     shell.events.register("pre_run_cell", _pre_run_cell)
     shell.events.register("post_run_cell", _post_run_cell)
+    tracebacks.install(shell)
     RUNTIME.hooks_installed = True
 
 

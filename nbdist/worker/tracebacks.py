@@ -1,0 +1,44 @@
+"""Cheap tracebacks on the ranks for the errors nbdist reports by one line only.
+
+IPython formats an error with stack_data and pygments: the first one in a process costs 0.4-0.6 s
+of CPU when it passes through torch's large source files, and IPython 9 formats it twice (once to
+show, once for its history). After the stop button every rank raises KeyboardInterrupt at once,
+so 4 ranks on 2 cores spent several seconds formatting tracebacks nobody reads (measured: the
+ranks were in pygments 4 s after SIGINT). nbdist shows a KeyboardInterrupt or a "peer went away"
+error as "rank 2: interrupted at cell line 5", so those get a plain traceback (a few ms); every
+other error keeps IPython's full, coloured one.
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback as _traceback
+from typing import Any
+
+from nbdist.worker.collectives import is_cell_file, is_transport_failure
+
+
+def install(shell: Any) -> None:
+    shell.set_custom_exc((KeyboardInterrupt, RuntimeError), _format)
+    # IPython's history keeps a second rendering of every error; the engines never need it
+    shell._format_exception_for_storage = _for_storage
+
+
+def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # as showtraceback does
+    if etype is KeyboardInterrupt or is_transport_failure(value):
+        return plain(etype, value, tb)
+    return shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+
+
+def plain(etype: type, value: BaseException, tb: Any) -> list[str]:
+    """Python's own format, from the first cell frame on (IPython's own frames dropped)."""
+    start = tb
+    while start is not None and not is_cell_file(start.tb_frame.f_code.co_filename):
+        start = start.tb_next
+    lines = _traceback.format_exception(etype, value, start if start is not None else tb)
+    return ["".join(lines).rstrip("\n")]
+
+
+def _for_storage(exception: BaseException, *_: Any, **__: Any) -> dict[str, Any]:
+    return {"ename": type(exception).__name__, "evalue": str(exception), "traceback": []}
