@@ -1,4 +1,5 @@
-"""Exact storage accounting for one rank: bytes of params, grads, optimizer state and buffers.
+"""Exact storage accounting for one rank: bytes of params, grads, optimizer state, gathered
+parameters and buffers.
 
 Every tensor is charged through its storage, de-duplicated by data pointer, so views into flat
 buffers (DeepSpeed partitions, DDP buckets, FSDP2 padded shards) are counted once, where first seen.
@@ -9,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-CATEGORIES = ("params", "grads", "optimizer", "buffers")
+CATEGORIES = ("params", "grads", "optimizer", "gathered", "buffers")
 
 
 class Ledger:
@@ -51,7 +52,10 @@ def account(model: Any, optimizer: Any, device_type: str) -> Ledger:
     ledger = Ledger(device_type)
     params = list(module.parameters())
     # ZeRO-3 swaps each param's data for an empty tensor and keeps the rank's shard in ds_tensor.
+    # Full data on such a param is a gathered copy: kept for reuse after a forward, or a param
+    # under stage3_param_persistence_threshold, which every rank holds whole between steps.
     ledger.charge_all("params", (getattr(p, "ds_tensor", None) for p in params))
+    ledger.charge_all("gathered", (p for p in params if hasattr(p, "ds_tensor")))
     ledger.charge_all("params", params)
     ledger.charge_all("params", module.buffers())
     ledger.charge_all("grads", (p.grad for p in params))

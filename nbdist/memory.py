@@ -33,8 +33,9 @@ class RankMemory:
     activations: int | None = None
     """Bytes autograd saved for backward during one forward of the given batch (its peak)."""
     gathered: int | None = None
-    """Full parameters gathered from other ranks and still alive after the measured forward
-    (ZeRO-3 keeps them for reuse in backward; FSDP2 with reshard_after_forward=False)."""
+    """Full parameters gathered from other ranks beside this rank's shard: ZeRO-3's small
+    "persistent" params and those kept for reuse, plus what the measured forward kept alive
+    (ZeRO-3 for backward; FSDP2 with reshard_after_forward=False)."""
     buffers: int = 0
     """Strategy scratch found in the optimizer (e.g. ZeRO reduce buckets)."""
     other: int | None = None
@@ -99,7 +100,11 @@ def memory_breakdown(
     positional inputs or a dict of keyword inputs) one forward runs with autograd recording, and
     the bytes it saves for backward are the activations: that is their peak, reached at the end of
     forward. ``loss_fn(output)`` adds the loss's own. The graph is then dropped without backward,
-    so parameters, gradients and optimizer state are left exactly as they were.
+    so parameters, gradients and optimizer state are left exactly as they were (ZeRO-3's weights
+    gathered for the forward are partitioned again).
+
+    DeepSpeed ZeRO-1/2 free their gradient partition inside ``step()``: measure between
+    ``backward`` and ``step`` to see gradients (ZeRO-1's full ones only while it accumulates).
     """
     import torch
 
@@ -107,11 +112,13 @@ def memory_breakdown(
 
     device = _device_of(model)
     ledger = account(model, optimizer, device.type)
-    activations = gathered = peak_forward = None
+    activations = peak_forward = None
+    gathered = ledger.bytes["gathered"]
     if batch is not None:
-        activations, gathered, peak_forward = _forward_activations(model, batch, loss_fn, ledger.seen, device)
+        activations, forward_gathered, peak_forward = _forward_activations(model, batch, loss_fn, ledger.seen, device)
+        gathered += forward_gathered
     allocated = reserved = other = None
-    states = sum(ledger.bytes[c] for c in ("params", "grads", "optimizer")) + ledger.bytes["buffers"]
+    states = sum(ledger.bytes.values())  # resident now; what the forward gathered is released again
     if device.type == "cuda":
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
@@ -164,16 +171,23 @@ def _forward_activations(
     runnable = model.module if type(model).__module__.startswith(("torch.nn.parallel", "deepspeed")) else model
     saved: list[torch.Tensor] = []
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    # The graph keeps only an index; the tensors stay alive in `saved` (as the graph would keep
+    # them) until counted. Handing the tensor itself back would make a cycle through autograd's
+    # C++ nodes (an output saved by its own grad_fn) that gc cannot see: every call leaked them.
+    def pack(tensor: torch.Tensor) -> int:
         saved.append(tensor)
-        return tensor
+        return len(saved) - 1
 
+    def unpack(_index: int) -> torch.Tensor:
+        raise RuntimeError("memory_breakdown's measuring forward has no backward")
+
+    zero3_gathered_before = _zero3_available(runnable)
     cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         if isinstance(batch, dict):
             output = runnable(**batch)
         elif isinstance(batch, (tuple, list)):
@@ -197,7 +211,28 @@ def _forward_activations(
             totals["gathered" if is_param else "activations"] += nbytes
     saved.clear()  # drop the graph's tensors now, not when the caller's frame ends
     del output, loss
+    _zero3_release(runnable, zero3_gathered_before)
     return totals["activations"], totals["gathered"], peak
+
+
+def _zero3_available(module: Any) -> set[int]:
+    """ids of the ZeRO-3 parameters whose full data is on this rank now."""
+    return {id(p) for p in module.parameters() if getattr(p, "ds_status", None) is not None
+            and p.ds_status.name != "NOT_AVAILABLE"}
+
+
+def _zero3_release(module: Any, available_before: set[int]) -> None:
+    """Partition again the ZeRO-3 parameters the measuring forward gathered.
+
+    With a recorded trace ZeRO-3 keeps what it will reuse within stage3_max_reuse_distance (1e9
+    elements by default: every weight of most models) gathered after forward, for a backward that
+    never comes here. Releasing only frees the full copy (the shard stays in ds_tensor), so it is
+    local to the rank, and the rank's memory is left as the measurement found it.
+    """
+    for param in module.parameters():
+        if (getattr(param, "ds_status", None) is not None and param.ds_status.name == "AVAILABLE"
+                and id(param) not in available_before and not param.ds_active_sub_modules):
+            param.partition()
 
 
 def _storage_key(tensor: Any) -> tuple[str, int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import nbdist
 from nbdist import Cluster
 from tests.test_strategies import MODEL_CODE, NET_CODE, PSI
 
@@ -43,6 +44,61 @@ def test_zero_stages_match_the_formulas_beside_ddp_and_fsdp(ranks2: Cluster):
     assert by[("zero1", 0)]["params"] == by[("ddp", 0)]["params"] == 4 * PSI
     assert by[("zero2", 0)]["grads"] < by[("zero1", 0)]["grads"]
     assert by[("zero3", 1)]["params"] == pytest.approx(4 * PSI / 2, rel=0.01)
+
+
+# Each rank measures one ZeRO stage at the points of a step where its model states differ, in
+# fp32 with Adam and two micro-batches per step (ZeRO-1 keeps full gradients only while it
+# accumulates). The first whole step runs before any measurement, so Adam's state exists.
+BREAKDOWN_CODE = """
+def zero_breakdown(stage):
+    p = build('deepspeed', zero_stage=stage, gradient_accumulation_steps=2)
+    measure = lambda **kw: nbdist.memory_breakdown(p.model, gather=False, **kw).rows()[0]
+    micro = lambda: p.backward(loss_fn(p.model(x)))
+    micro(); p.step(); micro(); p.step()
+    micro(); rows = {'accumulating': measure()}
+    p.step(); micro(); rows['reduced'] = measure()
+    p.step(); rows['stepped'] = measure()
+    loss = loss_fn(p.model(x)); rows['forward'] = measure()  # ZeRO-3 holds every weight gathered here
+    p.backward(loss); p.step()
+    rows['measuring forward'] = measure(batch=x, loss_fn=loss_fn)
+    rows['after measuring'] = measure()
+    twin = build('deepspeed', zero_stage=stage, gradient_accumulation_steps=2)
+    for q in [p] + [twin] * 6:  # three whole steps each, one of them measured all along
+        q.backward(loss_fn(q.model(x))); q.step()
+    mine = lambda q: torch.cat([getattr(w, 'ds_tensor', w).reshape(-1) for w in q.model.module.parameters()])
+    same = torch.equal(mine(p), mine(twin))
+    p.model.destroy(); twin.model.destroy()
+    return rows, same
+"""
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_breakdown_per_stage_matches_the_zero_paper(ranks2: Cluster, stage: int):
+    ranks2.run(BREAKDOWN_CODE + f"rows, same = zero_breakdown({stage})").raise_for_errors()
+    rows, same = ranks2.pull("rows")[0], ranks2.pull("same")[0]
+    unit = 4 * PSI  # fp32 bytes of the whole model; N = 2 ranks
+    table = {point: {k: round((r[k] or 0) / unit, 3) for k in ("params", "grads", "optimizer", "gathered")}
+             for point, r in rows.items()}
+    expected = nbdist.estimate_memory(PSI, 2, f"zero{stage}", precision="fp32")
+    for point, r in rows.items():
+        # params: the whole fp32 model (stage 1/2) or this rank's partition (stage 3), never a
+        # gathered copy; optimizer: fp32 master partition + Adam's two moments, 12Ψ/N
+        assert r["params"] == pytest.approx(expected.params, rel=0.01), (point, table)
+        assert r["optimizer"] == pytest.approx(expected.optimizer, rel=0.01), (point, table)
+    # gradients peak at the paper's 4Ψ (stage 1, accumulating) or 4Ψ/N (stages 2 and 3)
+    assert rows["accumulating"]["grads"] == pytest.approx(expected.grads, rel=0.01), table
+    assert rows["reduced"]["grads"] == pytest.approx(unit / 2, rel=0.01), table  # reduced to the rank's partition
+    if stage < 3:  # ZeRO-1/2 free the gradient partition in step(); ZeRO-3 keeps a flat buffer for it
+        assert rows["stepped"]["grads"] <= 64, table  # (a scalar or two: the global norm)
+    else:
+        assert rows["stepped"]["grads"] == pytest.approx(unit / 2, rel=0.01), table
+        # full weights exist only as gathered copies: after a forward, and while measuring one
+        assert rows["forward"]["gathered"] == pytest.approx(unit, rel=0.01), table
+        assert rows["measuring forward"]["gathered"] == pytest.approx(unit, rel=0.01), table
+    # Only ZeRO-3's biases (under stage3_param_persistence_threshold) stay whole between steps,
+    # and the measuring forward partitions again whatever it gathered.
+    assert rows["after measuring"]["gathered"] < 0.01 * unit, table
+    assert same  # and training goes on exactly as without the measurements
 
 
 def test_zero3_ranks_hold_half_and_agree_on_outputs(ranks2: Cluster):

@@ -21,6 +21,9 @@ def test_breakdown_is_exact_gathered_and_leaves_training_alone(ranks2: Cluster):
         "p = build('ddp')\ntrain(p, 2)\n"
         "report = nbdist.memory_breakdown(p.model, p.optimizer, x, loss_fn)\n"
         "rows = report.rows()\nhtml = report._repr_html_()\n"
+        "import gc\ndef live():\n    gc.collect()\n    return sum(isinstance(o, torch.Tensor) for o in gc.get_objects())\n"
+        "before = live()\nfor _ in range(3): nbdist.memory_breakdown(p.model, p.optimizer, x, loss_fn, gather=False)\n"
+        "leaked = live() - before\n"
         "after = train(p, 2)\n"
         "q = build('ddp')\ntrain(q, 2)\nplain = train(q, 2)"
     ).raise_for_errors()
@@ -32,6 +35,8 @@ def test_breakdown_is_exact_gathered_and_leaves_training_alone(ranks2: Cluster):
         assert 8 * PSI <= row["optimizer"] <= 8 * PSI + 64  # Adam's two moments (+ step scalars)
         assert 0 < row["activations"] < 2 * PSI
         assert row["other"] is not None and row["allocated"] >= row["model_states"]
+    # the measuring forward's saved tensors die with it (an autograd cycle once kept them all)
+    assert ranks2.pull("leaked") == {0: 0, 1: 0}
     html = ranks2.pull("html")[0]
     assert "<svg" in html and "rank 1" in html
     # the measuring forward dropped its graph: training continues exactly as without it
