@@ -2,8 +2,10 @@
 
 The runner calls :meth:`TelemetryHub.publish` on the notebook's main thread for every ``nbdist``
 payload a rank sends (see ``nbdist.worker.agent``), and :meth:`TelemetryHub.rank_state` when the
-cluster learns a rank died or came back. A listener that raises is reported once and dropped from
-that call only: the dashboard path never breaks a cell.
+cluster learns a rank died or came back. ``last_payload`` holds each rank's last full payload
+with later ``"log"`` payloads (metrics only) merged in, so fault reports keep ``"where"``. A
+listener that raises is reported once and dropped from that call only: the dashboard path never
+breaks a cell.
 """
 
 from __future__ import annotations
@@ -38,7 +40,13 @@ class TelemetryHub:
         return list(self._listeners)
 
     def publish(self, rank: int, payload: dict[str, Any]) -> None:
-        self.last_payload[rank] = payload
+        previous = self.last_payload.get(rank)
+        if payload.get("reason") == "log" and previous is not None:
+            # a log() payload carries metrics only: keep the last tick's memory and "where",
+            # and its time, which says how fresh that "where" is (nbdist.faults relies on it)
+            self.last_payload[rank] = {**previous, **payload, "t": previous.get("t")}
+        else:
+            self.last_payload[rank] = payload
         if payload.get("metrics"):
             self.cell_has_metrics = True
         for listener in list(self._listeners):

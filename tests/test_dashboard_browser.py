@@ -1,5 +1,6 @@
 """JupyterLab in headless Debian Chromium: the dashboard appears under a %%distributed cell and
-grows while 2 ranks train for ~10 s. Setup: ``bash tests/browser_setup.sh``; run with ``-m browser``.
+grows while 2 ranks train for ~10 s, and a notebook executed headless shows its final charts when
+opened without a kernel. Setup: ``bash tests/browser_setup.sh``; run with ``-m browser``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import nbformat
@@ -36,23 +38,28 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-@pytest.fixture
-def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+def _browser_tools() -> None:
     if not os.path.exists(CHROMIUM):
         pytest.skip("Debian chromium missing: run bash tests/browser_setup.sh")
     pytest.importorskip("playwright")
     pytest.importorskip("jupyterlab")
+
+
+@contextmanager
+def _lab_server(root: Path, *options: str) -> Iterator[str]:
+    """JupyterLab on 127.0.0.1 serving ``root``; yields ``base_url`` and the token as ``url?token``."""
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ)
     for name in ("JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR"):
-        env[name] = str(tmp_path / name.lower())  # never touch the user's Jupyter state
-    log = open(tmp_path / "jupyterlab.log", "wb")
+        env[name] = str(root / name.lower())  # never touch the user's Jupyter state
+    log = open(root / "jupyterlab.log", "wb")
     server = subprocess.Popen(
         [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
          "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={tmp_path}",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path,
+         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
+         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
+         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", *options],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -64,9 +71,9 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             except OSError:
                 if time.time() > deadline or server.poll() is not None:
                     raise RuntimeError("JupyterLab did not answer /api/status within 60 s:\n"
-                                       + (tmp_path / "jupyterlab.log").read_text()[-3000:]) from None
+                                       + (root / "jupyterlab.log").read_text()[-3000:]) from None
                 time.sleep(0.25)
-        yield f"{url}/lab/tree/dashboard.ipynb?token={token}", tmp_path
+        yield f"{url}?token={token}"
     finally:
         server.terminate()  # by PID: it shuts its kernels down, whose watchdogs end the engines
         try:
@@ -75,6 +82,18 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
             server.kill()
             server.wait(timeout=5)
         log.close()
+
+
+def _notebook_url(server: str, name: str) -> str:
+    base, token = server.split("?")
+    return f"{base}/lab/tree/{name}?reset&{token}"  # reset: no workspace reopens other notebooks
+
+
+@pytest.fixture
+def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    _browser_tools()
+    with _lab_server(tmp_path) as server:
+        yield _notebook_url(server, "dashboard.ipynb"), tmp_path
 
 
 @pytest.mark.timeout(300)
@@ -136,12 +155,15 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path]) -> N
             assert second["points"] > first["points"], shots
             assert second["maxStep"] > first["maxStep"], shots
             assert second["memoryPoints"] >= first["memoryPoints"] > 0, shots
-            # the cell ends: ranks go idle, the output is refreshed with the final static SVG
+            # the cell ends: its live output is replaced by the final static SVG (ranks idle)
             page.wait_for_function(
                 "() => document.body.innerText.includes('NBDIST-STOPPED')", timeout=120_000)
             page.wait_for_function(
-                "() => (document.querySelector('.nbdist-dash') || {dataset: {}}).dataset.states === 'idle,idle'",
+                "() => !document.querySelector('.nbdist-dash') && document.querySelector('img.nbdist-static-img')",
                 timeout=30_000)
+            final = _static_chart(page)
+            assert final["svg"] and "idle" in final["alt"] and "running" not in final["alt"], final
+            page.locator("img.nbdist-static-img").first.screenshot(path=str(ARTIFACTS / "dashboard_final.png"))
             latencies = page.evaluate("() => window.__b6")
             summary = {"screens": shots, "b6_browser_ms": {
                 "samples": len(latencies),
@@ -153,3 +175,85 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path]) -> N
         finally:
             browser.close()
     shutil.copy(root / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
+
+
+def _static_chart(page: object) -> dict[str, object]:
+    """The static dashboard image in the current notebook: decoded, laid out, and its SVG text."""
+    return page.evaluate("""() => {
+        const panel = window.jupyterapp.shell.currentWidget.node;
+        const img = panel.querySelector('img.nbdist-static-img');
+        if (!img) return {found: false, text: panel.innerText};
+        const box = img.getBoundingClientRect();
+        const src = img.getAttribute('src') || '';
+        const svg = src.startsWith('data:image/svg+xml;base64,') ? atob(src.split(',')[1]) : '';
+        return {found: true, loaded: img.complete && img.naturalWidth > 0, width: box.width,
+                height: box.height, alt: img.alt, svg: svg.includes('loss per rank') && svg.includes('nbdist-static'),
+                text: panel.innerText};
+    }""")  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(300)
+def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: Path) -> None:
+    """Executed by nbclient, opened in JupyterLab where no kernel can start: the final SVG shows,
+    in an untrusted notebook (as nbclient leaves it) and in a trusted one, with no widget error."""
+    _browser_tools()
+    from nbclient import NotebookClient
+    from nbformat.sign import NotebookNotary
+    from playwright.sync_api import sync_playwright
+
+    nb = dashboard_notebook(seconds=3.0)
+    NotebookClient(nb, timeout=180, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    (tmp_path / "notary").mkdir()
+    NotebookNotary(data_dir=str(tmp_path / "notary")).sign(nb)
+    nbformat.write(nb, tmp_path / "trusted.ipynb")
+    # the notary trusts any notebook whose digest it has signed: the untrusted copy must differ
+    nb.metadata.pop("signature", None)
+    nb.metadata["nbdist_test"] = "unsigned copy"
+    nbformat.write(nb, tmp_path / "untrusted.ipynb")
+    ARTIFACTS.mkdir(exist_ok=True)
+    # no kernelspec is allowed: JupyterLab can start no kernel and offers "No Kernel" only
+    options = ("--KernelSpecManager.allowed_kernelspecs=nbdist-no-kernel",
+               f"--NotebookNotary.data_dir={tmp_path / 'notary'}")
+    seen = {}
+    with _lab_server(tmp_path, *options) as server, sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            for name in ("untrusted", "trusted"):
+                page = browser.new_page(viewport={"width": 1280, "height": 1100})
+                page.goto(_notebook_url(server, f"{name}.ipynb"))
+                page.wait_for_function(
+                    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+                    " && window.jupyterapp.shell.currentWidget.node.querySelector('.jp-OutputArea-output')",
+                    timeout=60_000)
+                # the kernel dialog (only "No Kernel" to pick) appears once the session is set up
+                try:
+                    page.wait_for_selector(".jp-Dialog .jp-mod-accept", timeout=15_000)
+                    page.click(".jp-Dialog .jp-mod-accept")
+                except Exception:
+                    pass  # no dialog: nothing to dismiss
+                page.wait_for_function(
+                    "() => { const i = window.jupyterapp.shell.currentWidget.node.querySelector("
+                    "'img.nbdist-static-img'); return i && i.complete && i.naturalWidth > 0; }",
+                    timeout=30_000)
+                page.wait_for_timeout(2_000)  # a widget renderer would have reported by now
+                kernel = page.evaluate(
+                    "() => { const s = window.jupyterapp.shell.currentWidget.sessionContext;"
+                    " return s.session && s.session.kernel ? s.session.kernel.name : null; }")
+                trusted = page.evaluate(
+                    "() => window.jupyterapp.shell.currentWidget.content.widgets[1].model.trusted")
+                chart = _static_chart(page)
+                page.locator("img.nbdist-static-img").first.screenshot(
+                    path=str(ARTIFACTS / f"dashboard_saved_{name}.png"))
+                seen[name] = {key: value for key, value in chart.items() if key != "text"}
+                assert kernel is None, (name, kernel)
+                assert trusted == (name == "trusted"), (name, trusted)
+                assert chart["loaded"] and chart["svg"] and chart["width"] > 400 and chart["height"] > 200, (name, seen)
+                text = str(chart["text"])
+                for bad in ("model not found", "Error displaying widget", "Loading widget"):
+                    assert bad not in text, (name, bad, text[-2000:])
+                page.close()
+        finally:
+            browser.close()
+    shutil.copy(tmp_path / "jupyterlab.log", ARTIFACTS / "jupyterlab_saved.log")
+    print(json.dumps(seen))

@@ -103,6 +103,66 @@ def test_metrics_reach_the_agent_payload(agent) -> None:
     assert body["metrics"]["values"]["loss"] == [0.25]
 
 
+def _wait_for(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+        time.sleep(0.005)
+
+
+def test_log_wakes_the_agent_long_before_the_next_tick() -> None:
+    sent: list[dict] = []
+    agent = TelemetryAgent(0, 30.0, sent.append, log_spacing=0.05)  # no tick during the test
+    agent.register("memory", lambda: {"allocated": 1})
+    metrics.install_metrics(agent)
+    agent.start()
+    try:
+        metrics.log(step=0, loss=1.0)  # outside a cell: nothing is sent, and the thread does not spin
+        time.sleep(0.2)
+        assert sent == []
+        agent.cell_started()
+        metrics.drain()
+        started = time.monotonic()
+        metrics.log(step=1, loss=0.5)
+        _wait_for(lambda: any(b["nbdist"]["reason"] == "log" for b in sent), 10.0, "a log payload")
+        assert time.monotonic() - started < 5.0  # the tick is 30 s away
+        light = [b["nbdist"] for b in sent if b["nbdist"]["reason"] == "log"]
+        assert light[0]["metrics"]["values"]["loss"] == [0.5]
+        assert "memory" not in light[0]  # a log payload carries metrics only; ticks keep the rest
+        # a fast loop is batched: at most one light payload per log_spacing, every record kept
+        started, count = time.monotonic(), 0
+        while time.monotonic() - started < 0.5:
+            metrics.log(step=2 + count, loss=0.25)
+            count += 1
+            time.sleep(0.001)
+
+        def received() -> int:
+            return sum(len(b["nbdist"]["metrics"]["step"]) for b in sent if b["nbdist"]["reason"] == "log")
+
+        _wait_for(lambda: received() == count + 1, 10.0, f"all {count + 1} logged records")
+        batches = sum(1 for b in sent if b["nbdist"]["reason"] == "log") - 1
+        assert count > 50 and batches <= 0.5 / 0.05 + 3, (count, batches)
+    finally:
+        agent.stop()
+        metrics.uninstall_metrics(agent)
+    assert metrics._BUFFER.wake is None
+
+
+def test_hub_keeps_the_last_tick_under_log_payloads() -> None:
+    hub = TelemetryHub()
+    tick = payload(0, 1.0, steps=[1])
+    tick["where"] = {"collective": {"name": "all_reduce", "location": "cell:3"}}
+    hub.publish(0, tick)
+    hub.publish(0, {"rank": 0, "t": 1.1, "reason": "log", "state": "running", "cell": 1,
+                    "metrics": {"t": [1.05], "step": [2], "values": {"loss": [0.5]}}})
+    last = hub.last_payload[0]
+    assert last["where"] == tick["where"] and last["memory"] == tick["memory"]
+    assert last["metrics"]["step"] == [2] and last["reason"] == "log"
+    hub.publish(0, payload(0, 1.5))  # the next tick replaces everything
+    assert "where" not in hub.last_payload[0]
+
+
 def test_cpu_memory_sampler_tracks_heap_and_resets_peak_per_cell() -> None:
     sampler = MemorySampler(torch.device("cpu"))
     first = sampler.sample(cell=1)
@@ -344,6 +404,32 @@ def test_widget_throttles_syncs_and_carries_the_static_svg() -> None:
     assert data["application/vnd.jupyter.widget-view+json"]["model_id"] == dashboard.model_id
     assert data["image/svg+xml"].startswith("<svg")
     assert "rank 0: idle loss=1" in data["text/plain"]
+
+
+def test_cell_end_replaces_the_live_view_with_the_static_svg() -> None:
+    import base64
+
+    from nbdist.dashboard import Dashboard
+
+    class Handle:
+        def __init__(self) -> None:
+            self.updates: list[dict] = []
+
+        def update(self, data: dict, metadata: dict, raw: bool) -> None:
+            self.updates.append(data)
+
+    dashboard = Dashboard(2)
+    dashboard.on_telemetry(0, payload(0, 1000.0, steps=[1, 2], loss=[0.5, 0.25]))
+    handle = Handle()
+    dashboard._handles.append(handle)
+    dashboard.finalize()
+    (data,) = handle.updates
+    # a saved output that kept the widget view would read "model not found" without the kernel
+    assert set(data) == {"text/plain", "image/svg+xml", "text/html"}
+    encoded = data["text/html"].split("base64,")[1].split('"')[0]
+    assert base64.b64decode(encoded).decode() == data["image/svg+xml"]
+    assert data["text/html"].startswith('<img class="nbdist-static-img"')
+    assert dashboard._handles == []  # later cells do not touch this cell's snapshot
 
 
 def test_widget_survives_garbage_payloads() -> None:

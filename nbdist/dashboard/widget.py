@@ -1,11 +1,13 @@
 """The live dashboard widget: a TelemetryHub listener that pushes a downsampled view to the browser.
 
 Thin on purpose: data handling is in ``model.py``, the static SVG in ``svg.py``, drawing in
-``dashboard.js``. Its mimebundle carries the SVG beside the widget view for saved notebooks.
+``dashboard.js``. At cell end its output is replaced by the static SVG (see ``finalize``).
 """
 
 from __future__ import annotations
 
+import base64
+import html
 import sys
 import threading
 import time
@@ -27,8 +29,8 @@ class Dashboard(anywidget.AnyWidget):
     """Per-rank memory, metrics and state, live while a cell runs; history kept across cells.
 
     ``Dashboard(ranks)`` then ``hub.subscribe(dashboard)``; ``dashboard.show()`` (or ``display``)
-    puts it under the current cell and ``dashboard.finalize()`` at cell end refreshes the static
-    SVG that saved notebooks show.
+    puts it under the current cell, live, and ``dashboard.finalize()`` at cell end replaces that
+    output with the final static SVG, which is what saved and exported notebooks show.
     """
 
     _esm = _HERE / "dashboard.js"
@@ -75,6 +77,7 @@ class Dashboard(anywidget.AnyWidget):
         # the model is fed on the main thread and may be flushed by the trailing-edge thread
         self._lock = threading.RLock()
         self._flusher: threading.Thread | None = None
+        self._kick = threading.Event()
         self._closing = threading.Event()
         self._sync_now()
 
@@ -144,31 +147,44 @@ class Dashboard(anywidget.AnyWidget):
             self.sync_seconds.append(time.perf_counter() - started)
 
     def _ensure_flusher(self) -> None:
-        if self._flusher is not None and self._flusher.is_alive():
-            return
-        self._flusher = threading.Thread(
-            target=self._flush_loop, name="nbdist-dashboard-flush", daemon=True
-        )
-        self._flusher.start()
+        self._kick.set()
+        with self._lock:
+            if self._flusher is not None and self._flusher.is_alive():
+                return
+            self._flusher = threading.Thread(
+                target=self._flush_loop, name="nbdist-dashboard-flush", daemon=True
+            )
+            self._flusher.start()
 
     def _flush_loop(self) -> None:
         # ipykernel's IOPub socket is thread-safe, so a comm update may leave from here. The thread
-        # ends after a few idle seconds so that no thread outlives the cells that feed it.
-        idle_since = time.monotonic()
-        while not self._closing.wait(self.config.sync_interval / 2):
-            if self._dirty and self._clock() - self._last_sync >= self.config.sync_interval:
+        # wakes when an update is held back and sleeps exactly until it is due (polling would add
+        # up to a poll period to every value's latency); it ends after a few idle seconds so that
+        # no thread outlives the cells that feed it.
+        interval = self.config.sync_interval
+        while not self._closing.is_set():
+            if not self._kick.wait(3.0):
+                with self._lock:  # _ensure_flusher sets the kick first, then looks at this thread
+                    if not self._kick.is_set():
+                        self._flusher = None
+                        return
+                continue
+            self._kick.clear()
+            due = self._last_sync + interval - self._clock()
+            if due > 0 and self._closing.wait(min(due, interval)):
+                return
+            if self._dirty:
                 try:
                     self._sync_now()
                 except Exception as exc:
                     self._record_error(exc)
-                idle_since = time.monotonic()
-            elif not self._dirty and time.monotonic() - idle_since > 3.0:
-                return
 
     def close(self) -> None:
         self._closing.set()
-        if self._flusher is not None and self._flusher is not threading.current_thread():
-            self._flusher.join(timeout=2)
+        self._kick.set()
+        flusher = self._flusher
+        if flusher is not None and flusher is not threading.current_thread():
+            flusher.join(timeout=2)
         super().close()
 
     def _record_error(self, exc: BaseException) -> None:
@@ -222,7 +238,9 @@ class Dashboard(anywidget.AnyWidget):
         return handle
 
     def finalize(self) -> None:
-        """At cell end: push the last values and refresh the static SVG of this cell's output(s).
+        """At cell end: push the last values and replace this cell's live output(s) by the static
+        bundle (``static_bundle``); the model lives on, so the next cell or ``%dist_dashboard``
+        shows it live again with the whole history.
 
         Outputs displayed in earlier cells keep the snapshot taken when their own cell ended.
         """
@@ -232,9 +250,34 @@ class Dashboard(anywidget.AnyWidget):
             self._sync_now()
             if not self._handles:
                 return
-            data, metadata = self._repr_mimebundle_()  # type: ignore[misc]
+            data = self.static_bundle()
             for handle in self._handles:
-                handle.update(data, metadata=metadata, raw=True)
+                handle.update(data, metadata={}, raw=True)
             self._handles.clear()
         except Exception as exc:
             self._record_error(exc)
+
+    def static_bundle(self) -> dict[str, Any]:
+        """The finished cell's output: the final charts, with no widget view left in it.
+
+        JupyterLab draws a widget-view output only through a live model (restored from notebook
+        metadata only when a kernel is up) and never falls back to the bundle's other types, so a
+        saved output that kept the view showed "Error displaying widget: model not found" or
+        "Loading widget..." instead of the SVG. ``text/html`` carries the SVG as an ``<img>``:
+        it is the one rich type JupyterLab shows in an untrusted notebook (every notebook executed
+        elsewhere, e.g. by nbclient), and its sanitizer drops inline ``<svg>`` but keeps ``<img>``.
+        """
+        summary = self.summary()
+        data: dict[str, Any] = {"text/plain": summary}
+        try:
+            svg = self.svg()
+        except Exception as exc:
+            self._record_error(exc)
+            return data
+        encoded = base64.b64encode(svg.encode()).decode("ascii")
+        data["image/svg+xml"] = svg
+        data["text/html"] = (
+            f'<img class="nbdist-static-img" alt="{html.escape(summary)}" '
+            f'style="max-width:100%;height:auto" src="data:image/svg+xml;base64,{encoded}">'
+        )
+        return data

@@ -1,7 +1,8 @@
 """``nbdist.log(step=..., loss=...)``: rank-side metric logging that feeds the live dashboard.
 
-``log`` only appends to a lock-free buffer; the rank's telemetry thread drains it every tick (the
-``"metrics"`` provider) so the training thread never does I/O, pickling or GPU synchronisation.
+``log`` only appends to a lock-free buffer and sets the agent's wake event; the rank's telemetry
+thread drains the buffer (the ``"metrics"`` provider) within ``LOG_SPACING``, so the training
+thread never does I/O, pickling or GPU synchronisation.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class _MetricsBuffer:
         # thread never need a lock, and no record can be lost between a read and a swap.
         self.records: deque[_Record] = deque()
         self.enabled = False
+        self.wake: threading.Event | None = None
+        """The agent's wake event: set once per batch so the records leave before the next tick."""
         self.last_step = -1.0
         self.dropped = 0
         self.rejected: dict[str, str] = {}
@@ -72,6 +75,10 @@ def log(step: int | float | None = None, **metrics: Any) -> None:
             buffer.records.popleft()
             buffer.dropped += 1
         buffer.records.append((time.time(), step_value, names, values))
+        wake = buffer.wake
+        # after the append: the thread clears the event before it drains, so no record is stranded
+        if wake is not None and not wake.is_set():
+            wake.set()
     except Exception:  # a bad value must never surface in the training loop
         buffer.dropped += 1
 
@@ -183,6 +190,7 @@ def install_metrics(agent: TelemetryAgent) -> None:
         with _INSTALL_LOCK:
             _BUFFER.clear()
             agent.register("metrics", drain)
+            _BUFFER.wake = agent.wake
             _BUFFER.enabled = True
     except Exception as exc:  # the dashboard is optional: a rank must come up without it
         agent.provider_errors["metrics"] = repr(exc)
@@ -191,6 +199,7 @@ def install_metrics(agent: TelemetryAgent) -> None:
 def uninstall_metrics(agent: TelemetryAgent | None = None) -> None:
     """Turn :func:`log` back into a no-op (tests, teardown)."""
     _BUFFER.enabled = False
+    _BUFFER.wake = None
     _BUFFER.clear()
     if agent is not None:
         agent.unregister("metrics")
