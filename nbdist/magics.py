@@ -14,13 +14,20 @@ from nbdist.cluster import Cluster
 from nbdist.config import DEFAULT
 from nbdist.display import NotebookSink
 from nbdist.errors import NbdistError
+from nbdist.export import SessionLog
 from nbdist.ranks import parse_ranks
 
 _CURRENT: Cluster | None = None
+_SESSION_LOG = SessionLog()
+"""Pushed values and failed cells, by In[n], for %dist_export (the history has only the sources)."""
 
 
 def current_cluster() -> Cluster | None:
     return _CURRENT
+
+
+def session_log() -> SessionLog:
+    return _SESSION_LOG
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,12 +140,15 @@ class DistMagics(Magics):
             result = cluster.run(cell, ranks=ranks, timeout=args.timeout, sink=sink)
         except NbdistError as exc:
             raise UsageError(str(exc)) from None
-        sink.flush()
-        if sink.dashboard is not None and hasattr(sink.dashboard, "finalize"):
-            try:
-                sink.dashboard.finalize()
-            except Exception:
-                pass
+        finally:
+            # even when the cell failed or was interrupted: a live widget view left in the saved
+            # output would read "model not found" once the kernel is gone
+            sink.flush()
+            if sink.dashboard is not None and hasattr(sink.dashboard, "finalize"):
+                try:
+                    sink.dashboard.finalize()
+                except Exception:
+                    pass
         self.shell.user_ns["_dist_result"] = result
         if result.errors:
             result.raise_for_errors()
@@ -204,6 +214,7 @@ class DistMagics(Magics):
             if not name.isidentifier():
                 raise UsageError(f"%dist_push: {name!r} is not a valid name")
         cluster.push(values)
+        _SESSION_LOG.record_push(values)
         print(f"nbdist: pushed {', '.join(values)} to {cluster.world_size} rank(s)")
 
     @line_magic
@@ -219,8 +230,9 @@ class DistMagics(Magics):
 
     @line_magic
     def dist_export(self, line: str) -> None:
-        """%dist_export FILE [--notebook NB.ipynb] [--nproc N]: the %%distributed cells as a
-        torchrun script (from this session's history, or from a saved notebook in document order)."""
+        """%dist_export FILE [--notebook NB.ipynb] [--nproc N]: the %%distributed cells and pushed
+        values as a torchrun script (from this session's history, or from a saved notebook in
+        document order)."""
         from nbdist import export
 
         parser = _Parser(prog="%dist_export", add_help=False)
@@ -230,17 +242,32 @@ class DistMagics(Magics):
         args = _parse(parser, line)
         running = _CURRENT is not None and _CURRENT.running
         world_size = _CURRENT.world_size if running and _CURRENT is not None else None
+        threads = _CURRENT.requested_threads if running and _CURRENT is not None else None
+        nproc = args.nproc or world_size or 2
         try:
             if args.notebook:
                 sources = export.cells_from_notebook(args.notebook)
+                log = export.notebook_log(args.notebook)
             else:
                 sources = export.cells_from_history(self.shell.history_manager.input_hist_raw)
-            cells = export.distributed_cells(sources, world_size)
-            path = export.write_script(args.file, cells, nproc=args.nproc or world_size or 2)
+                log = _SESSION_LOG
+            steps = export.script_steps(sources, world_size, log)
+            path = export.write_script(args.file, steps, nproc=nproc, threads=threads)
         except (NbdistError, OSError) as exc:
             raise UsageError(f"%dist_export: {exc}") from None
-        print(f"nbdist: wrote {len(cells)} cell(s) to {path}; run it with "
-              f"torchrun --nproc-per-node {args.nproc or world_size or 2} {path}")
+        cells = [s for s in steps if isinstance(s, export.DistributedCell)]
+        failed = export.failed_cells(steps)
+        print(f"nbdist: wrote {len(cells) - len(failed)} cell run(s) to {path}; run it with "
+              f"torchrun --nproc-per-node {nproc} {path}")
+        if failed:
+            print(f"nbdist: left out {len(failed)} cell(s) that failed in the notebook "
+                  f"({', '.join(c.label for c in failed)}); they are in the script as comments")
+        missing = export.placeholders(steps)
+        if missing:
+            listed = "; ".join(f"{v.name} ({v.description})" for v in missing)
+            print(f"nbdist: warning: {len(missing)} pushed value(s) cannot be written into the script: "
+                  f"{listed}. The script raises NotImplementedError where each was pushed: "
+                  "define them there.")
 
     @line_magic
     def autodist(self, line: str) -> None:
@@ -298,8 +325,12 @@ def _autodist_transform(lines: list[str]) -> list[str]:
 
 def register_magics(ipython: Any) -> None:
     ipython.register_magics(DistMagics)
+    if _SESSION_LOG.cell_finished not in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.register("post_run_cell", _SESSION_LOG.cell_finished)
 
 
 def unregister_magics(ipython: Any) -> None:
+    if _SESSION_LOG.cell_finished in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.unregister("post_run_cell", _SESSION_LOG.cell_finished)
     if _autodist_transform in ipython.input_transformers_cleanup:
         ipython.input_transformers_cleanup.remove(_autodist_transform)

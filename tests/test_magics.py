@@ -5,7 +5,7 @@ from __future__ import annotations
 import psutil
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing.globalipapp import start_ipython
+from IPython.testing import globalipapp
 
 from nbdist import magics
 from tests.conftest import assert_all_gone
@@ -13,7 +13,8 @@ from tests.conftest import assert_all_gone
 
 @pytest.fixture(scope="module")
 def ip():
-    shell = start_ipython()
+    # start_ipython() returns None once another module (test_export) started the shell
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
     shell.run_line_magic("load_ext", "nbdist")
     yield shell
     cluster = magics.current_cluster()
