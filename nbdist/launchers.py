@@ -290,8 +290,13 @@ def build_launcher_plan(
         controller_args += [f"--HeartMonitor.period={period}",
                             f"--HeartMonitor.max_heartmonitor_misses={misses}"]
     else:
-        opts.pop("heartbeat_period_ms", None)
-        opts.pop("heartbeat_misses", None)
+        # the hub completes an engine's registration on a heartbeat: at ipyparallel's 3 s period
+        # the engines of a local cluster waited up to 3 s for it. Same tolerance (30 s) as its
+        # default; the pings are answered by a C thread, so a busy engine is never missed.
+        period = int(opts.pop("heartbeat_period_ms", 500))
+        misses = int(opts.pop("heartbeat_misses", max(10, 30_000 // max(period, 1))))
+        controller_args += [f"--HeartMonitor.period={period}",
+                            f"--HeartMonitor.max_heartmonitor_misses={misses}"]
 
     controller_ip = opts.pop("controller_ip", None)
     controller_location = opts.pop("controller_location", None)

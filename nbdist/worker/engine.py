@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import faulthandler
 import os
+import sys
 import threading
 
 from nbdist.worker import release
@@ -30,6 +31,9 @@ def main() -> None:
     # dies with the process, so write crash stacks to a duplicate of the real stderr (the log)
     global _CRASH_LOG
     release.install()  # first: before any thread starts (see nbdist.worker.release)
+    # ipykernel imports debugpy (and pydevd: ~0.1 s of CPU per engine) for a debugger that
+    # ipyparallel engines cannot use ("debugging will not be enabled"); it copes without it
+    sys.modules.setdefault("debugpy", None)  # type: ignore[assignment]
     _CRASH_LOG = os.fdopen(os.dup(2), "w")
     faulthandler.enable(file=_CRASH_LOG)
     threading.Thread(target=_preload, name="nbdist-preload", daemon=True).start()
