@@ -194,7 +194,28 @@ def test_install_memory_sampler_registers_a_provider() -> None:
     agent = TelemetryAgent(3, 0.5, sent.append)
     assert install_memory_sampler(agent, torch.device("cpu")) is not None
     agent.cell_started()
+    agent.cell_finished()
     assert sent[-1]["nbdist"]["memory"]["kind"] == "cpu"
+
+
+def test_a_short_cell_sends_one_payload_a_longer_one_its_start_too() -> None:
+    sent: list[dict] = []
+    agent = TelemetryAgent(0, 30.0, sent.append)  # no tick during the test
+    agent.register("memory", lambda: {"allocated": 1})
+    agent.start()
+    try:
+        agent.cell_started()
+        agent.cell_finished()  # well within START_DELAY
+        time.sleep(0.2)
+        assert [b["nbdist"]["reason"] for b in sent] == ["cell_end"]
+        agent.cell_started()
+        _wait_for(lambda: len(sent) == 2, 10.0, "the start payload of a running cell")
+        start = sent[1]["nbdist"]
+        assert start["reason"] == "cell_start" and start["state"] == "running" and start["memory"]
+        agent.cell_finished()
+        assert [b["nbdist"]["reason"] for b in sent] == ["cell_end", "cell_start", "cell_end"]
+    finally:
+        agent.stop()
 
 
 # -- downsampling ----------------------------------------------------------------------------------

@@ -238,8 +238,8 @@ class DashboardModel:
             history.cell_logged = False
             history.last_log_at = None
         self.cell = max(self.cell, cell)
-        if payload.get("reason") == "cell_start":
-            history.dead = None  # a rank that starts a cell is alive (after a restart)
+        if payload.get("reason") in ("cell_start", "cell_end"):
+            history.dead = None  # a rank that runs a cell is alive (after a restart)
         t = payload.get("t")
         if isinstance(t, int | float) and self.t0 is None:
             self.t0 = float(t)

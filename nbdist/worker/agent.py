@@ -19,6 +19,9 @@ Provider = Callable[[], Any]
 
 TELEMETRY_KEY = "nbdist"
 
+START_DELAY = 0.05
+"""A cell's start payload leaves only if the cell still runs this many seconds after it began."""
+
 LOG_SPACING = 0.1
 """Least seconds between two publishes prompted by ``log()``: a fast loop's records go out in
 batches (≤ 10 light payloads/s per rank, each ≈ 1 ms of CPU in the controller and the notebook)
@@ -45,6 +48,8 @@ class TelemetryAgent:
         """Set by ``nbdist.log`` (metrics are waiting) and by :meth:`stop`; the thread then
         publishes the metrics once ``log_spacing`` has passed since its last publish."""
         self._last_publish = 0.0
+        self._start_payload: dict[str, Any] | None = None
+        self._start_due: float | None = None
         self._thread: threading.Thread | None = None
         self.cell_running = False
         self.cell_id = 0
@@ -76,11 +81,32 @@ class TelemetryAgent:
     def cell_started(self) -> None:
         self.cell_id += 1
         self.cell_running = True
-        self.publish_now("cell_start")
+        # the start sample is taken now (it resets the cell's peak) but sent by the thread only
+        # if the cell still runs START_DELAY later: a short cell then costs one message (its
+        # cell_end payload says everything), not two -- about 2 ms of every no-op cell
+        payload = self.collect("cell_start", only=("memory",))
+        with self._publish_lock:
+            self._start_payload = payload
+            self._start_due = time.monotonic() + START_DELAY
+        self.wake.set()
 
     def cell_finished(self) -> None:
+        with self._publish_lock:
+            self._start_payload = None
+            self._start_due = None
         self.cell_running = False
         self.publish_now("cell_end")
+
+    def _send_start(self) -> None:
+        with self._publish_lock:
+            payload, self._start_payload, self._start_due = self._start_payload, None, None
+            if payload is None or not self.cell_running or payload.get("cell") != self.cell_id:
+                return
+            self._last_publish = time.monotonic()
+            try:
+                self._publish({TELEMETRY_KEY: payload})
+            except Exception as exc:
+                self.provider_errors["publish"] = repr(exc)
 
     def publish_now(self, reason: str = "tick", only: tuple[str, ...] | None = None) -> None:
         """Collect from every provider (or the ``only`` ones) and publish (from any thread)."""
@@ -125,10 +151,20 @@ class TelemetryAgent:
     def _loop(self) -> None:
         next_tick = time.monotonic() + self.interval
         while not self._stop.is_set():
-            woken = self.wake.wait(max(0.0, next_tick - time.monotonic()))
+            start_due = self._start_due
+            due = next_tick if start_due is None else min(next_tick, start_due)
+            woken = self.wake.wait(max(0.0, due - time.monotonic()))
             if self._stop.is_set():
                 break
             now = time.monotonic()
+            # cell_started wakes us so that the wait includes its start payload; that wake goes
+            # down the log() path below, which sends nothing when no metrics are waiting (and
+            # so can never swallow a log() that came in meanwhile)
+            start_due = self._start_due
+            if start_due is not None and now >= start_due:
+                self._send_start()
+                if not woken and now < next_tick:
+                    continue
             if woken and now < next_tick:
                 # log() asked: hold back until log_spacing has passed since the last publish so
                 # that a fast loop sends one batch rather than one message per step
@@ -140,6 +176,8 @@ class TelemetryAgent:
                     self.publish_now("log", only=("metrics",))
                 # a wake outside a cell (nothing is sent) still counts, so it cannot spin
                 self._last_publish = max(self._last_publish, time.monotonic())
+                continue
+            if now < next_tick:
                 continue
             self.wake.clear()
             next_tick = now + self.interval
