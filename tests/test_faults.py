@@ -95,6 +95,19 @@ def test_row1_with_a_ddp_model_holding_the_group(cluster: Cluster):
     cluster.run("del ddp").raise_for_errors()
 
 
+def test_a_runtime_error_keeps_its_full_traceback(cluster: Cluster):
+    # RuntimeError goes through nbdist's cheap-traceback hook on the ranks (nbdist.worker.tracebacks):
+    # a user's own RuntimeError must still show IPython's full traceback with the cell's lines
+    code = "m = torch.nn.Linear(3, 4)\nif rank == 1:\n    m(torch.randn(2, 5))\ndist.barrier()\n"
+    result = cluster.run(code, timeout=60)
+    roots = result.root_causes()
+    assert [e.rank for e in roots] == [1] and roots[0].ename == "RuntimeError"
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", roots[0].traceback)
+    assert "m(torch.randn(2, 5))" in plain and "line 3" in plain, plain
+    assert "mat1 and mat2 shapes cannot be multiplied" in result.failure_message()
+    assert_collective_works(cluster)
+
+
 def test_row1_barrier_variant_and_subset(cluster: Cluster):
     result = cluster.run("if rank == 2:\n    1/0\ndist.barrier()", timeout=60)
     assert [e.rank for e in result.root_causes()] == [2]
@@ -170,6 +183,9 @@ def test_row5_stop_button_during_training_loop(cluster: Cluster):
     timer.join()
     assert result.interrupted and elapsed < 1.5 + 6
     assert all(e.kind == "interrupted" for e in result.errors.values())
+    # each rank says where it stopped (from its plain KeyboardInterrupt traceback)
+    assert all(e.where in ("cell line 2", "cell line 3", "cell line 4") for e in result.errors.values()), \
+        {r: e.where for r, e in result.errors.items()}
     assert all(v > 0 for v in cluster.pull("steps").values())  # state kept
     assert not any("rebuilt" in a for a in result.actions)
     assert_collective_works(cluster)

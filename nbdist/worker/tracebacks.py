@@ -25,10 +25,15 @@ def install(shell: Any) -> None:
 
 
 def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
+    """IPython's custom-exception hook. It must show the error itself: IPython 9 drops what the
+    hook returns, and ipykernel's error reply takes the traceback from ``_showtraceback``."""
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # as showtraceback does
     if etype is KeyboardInterrupt or is_transport_failure(value):
-        return plain(etype, value, tb)
-    return shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+        stb = plain(etype, value, tb)
+    else:
+        stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+    shell._showtraceback(etype, value, stb)
+    return stb
 
 
 def plain(etype: type, value: BaseException, tb: Any) -> list[str]:
