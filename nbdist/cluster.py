@@ -148,6 +148,7 @@ class Cluster:
         self._pidfile = ""
         self._watchdog: subprocess.Popen[bytes] | None = None
         self._controller_pid: tuple[int, float] | None = None
+        self._controller_children: set[tuple[int, float]] = set()
         self._engine_exits: dict[int, Any] = {}
         self._exit_lock = threading.Lock()
         self._dashboard: Any = None
@@ -271,6 +272,7 @@ class Cluster:
         self._ipp.start_controller_sync()
         controller = self._ipp.controller
         self._controller_pid = (controller.pid, psutil.Process(controller.pid).create_time())
+        self._controller_children = set()
         self._write_pidfile()
         self._start_watchdog()
         self._start_engines(n)
@@ -514,9 +516,22 @@ class Cluster:
         pids: list[tuple[int, float]] = []
         if self._attached:
             return pids  # attached engines belong to the user: nbdist never kills them
-        if self._controller_pid:
-            pids.append(self._controller_pid)
+        pids += self._controller_pids()
         return sorted(set(pids + self._engine_pids()))
+
+    def _controller_pids(self) -> list[tuple[int, float]]:
+        """The controller and its children (its schedulers and heart monitor are forked
+        processes). The children are remembered: when the controller is killed they are
+        orphaned, and only the record still names them (measured: 8 left per kill)."""
+        if not self._controller_pid:
+            return []
+        proc = watchdog.same_process(*self._controller_pid)
+        if proc is not None:
+            try:
+                self._controller_children |= {(c.pid, c.create_time()) for c in proc.children(recursive=True)}
+            except psutil.Error:
+                pass
+        return [self._controller_pid, *sorted(self._controller_children)]
 
     def _engine_pids(self) -> list[tuple[int, float]]:
         """Local engine processes with their children (nannies), and the ranks' helpers."""

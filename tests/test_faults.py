@@ -248,6 +248,10 @@ def test_row8_segfault_is_reported_with_its_signal(cluster: Cluster):
 
 def test_row9_controller_killed(cluster: Cluster):
     controller_pid = cluster._controller_pid[0]
+    # its schedulers and heart monitor are forked children: orphaned by the kill, they must
+    # still be stopped (they were left running before: 8 per kill)
+    children = [c.pid for c in psutil.Process(controller_pid).children(recursive=True)]
+    assert children
     os.kill(controller_pid, signal.SIGKILL)
     started = time.perf_counter()
     deadline = time.monotonic() + 10
@@ -262,6 +266,7 @@ def test_row9_controller_killed(cluster: Cluster):
     old = cluster.all_pids()
     cluster.restart()
     assert not cluster.controller_lost
+    assert set(children) <= set(old)
     assert_all_gone([p for p in old if p != controller_pid])
     assert_collective_works(cluster)
 
