@@ -15,7 +15,7 @@ import torch
 
 import nbdist
 from nbdist import Cluster
-from tests.test_strategies import MODEL_CODE, NET_CODE, PSI
+from tests.test_strategies import MODEL_CODE, PSI, assert_consolidated_file_reproduces
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -139,12 +139,7 @@ def test_checkpoint_round_trip_and_consolidation(ranks2: Cluster, tmp_path: Path
     ref, after = ranks2.pull("ref"), ranks2.pull("after")
     assert torch.equal(after[0], ref[0]) and torch.equal(after[1], ref[1])
     assert ranks2.pull("next_gap") == {0: 0.0, 1: 0.0}
-    namespace: dict = {"torch": torch}
-    exec(NET_CODE, namespace)
-    plain = namespace["Net"]()
-    plain.load_state_dict(torch.load(ranks2.pull("full")[0]))
-    with torch.no_grad():
-        assert torch.allclose(plain(ranks2.pull("probe")[0]), ref[0], atol=1e-6)
+    assert_consolidated_file_reproduces(ranks2, ref[0])
 
 
 def test_user_config_passes_through_untouched(ranks2: Cluster):

@@ -364,9 +364,7 @@ def test_row14_thirty_cycles_leak_nothing(tmp_path):
             assert result.errors, cycle
             cluster.restart()
     finally:
-        pids = cluster.all_pids()
-        cluster.stop()
-        assert_all_gone(pids)
+        assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
     assert not [d for d in workdirs if d and os.path.exists(d)]
     assert me.num_fds() <= fds_before + 10
     if os.path.isdir("/dev/shm"):

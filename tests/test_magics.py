@@ -19,9 +19,7 @@ def ip():
     yield shell
     cluster = magics.current_cluster()
     if cluster is not None and cluster.running:
-        pids = cluster.all_pids()
-        cluster.stop()
-        assert_all_gone(pids)
+        assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
 
 
 def test_cell_before_start_says_so(ip):

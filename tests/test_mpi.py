@@ -38,9 +38,7 @@ def mpi_cluster():
     try:
         yield cluster
     finally:
-        pids = cluster.all_pids()
-        cluster.stop()
-        assert_all_gone(pids)
+        assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
 
 
 def test_mpiexec_started_the_engines_and_they_form_a_group(mpi_cluster: Cluster):

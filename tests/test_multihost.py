@@ -187,9 +187,7 @@ def cluster(network: Network) -> Iterator[Cluster]:
     try:
         yield cluster
     finally:
-        pids = cluster.all_pids()
-        cluster.stop()
-        assert_all_gone(pids)
+        assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
         deadline = time.monotonic() + 15
         leftovers: list[int] = []
         while time.monotonic() < deadline:

@@ -123,13 +123,7 @@ def test_checkpoint_round_trip_and_consolidated_single_process(ranks2: Cluster, 
     assert ranks2.pull("before")[0].abs().max() > 1e-3  # the fresh model really was different
     assert torch.equal(after[0], ref[0]) and torch.equal(after[1], ref[1])
     assert ranks2.pull("next_gap") == {0: 0.0, 1: 0.0}
-    # one plain process, no process group: the consolidated file is an ordinary state dict
-    namespace: dict = {"torch": torch}
-    exec(NET_CODE, namespace)
-    plain = namespace["Net"]()
-    plain.load_state_dict(torch.load(ranks2.pull("full")[0]))
-    with torch.no_grad():
-        assert torch.allclose(plain(ranks2.pull("probe")[0]), ref[0], atol=1e-6)
+    assert_consolidated_file_reproduces(ranks2, ref[0])
 
 
 ERRORS = {
@@ -170,3 +164,14 @@ def test_four_ranks_shard_one_quarter_and_match_the_estimate(cluster4: Cluster):
         assert row["ratio"] == pytest.approx(1.0, abs=0.05), row
         assert row["losses"][-1] < row["losses"][0]
     assert "fsdp" in cluster4.pull("text")[0]
+
+
+def assert_consolidated_file_reproduces(cluster: Cluster, reference: torch.Tensor) -> None:
+    """In one plain process, no process group: the consolidated checkpoint (the ranks' ``full``
+    path) is an ordinary state dict that gives the ranks' output (``reference``) on ``probe``."""
+    namespace: dict = {"torch": torch}
+    exec(NET_CODE, namespace)
+    plain = namespace["Net"]()
+    plain.load_state_dict(torch.load(cluster.pull("full")[0]))
+    with torch.no_grad():
+        assert torch.allclose(plain(cluster.pull("probe")[0]), reference, atol=1e-6)

@@ -100,13 +100,8 @@ class TelemetryAgent:
     def _send_start(self) -> None:
         with self._publish_lock:
             payload, self._start_payload, self._start_due = self._start_payload, None, None
-            if payload is None or not self.cell_running or payload.get("cell") != self.cell_id:
-                return
-            self._last_publish = time.monotonic()
-            try:
-                self._publish({TELEMETRY_KEY: payload})
-            except Exception as exc:
-                self.provider_errors["publish"] = repr(exc)
+            if payload is not None and self.cell_running and payload.get("cell") == self.cell_id:
+                self._send(payload)
 
     def publish_now(self, reason: str = "tick", only: tuple[str, ...] | None = None) -> None:
         """Collect from every provider (or the ``only`` ones) and publish (from any thread)."""
@@ -114,13 +109,16 @@ class TelemetryAgent:
         # thread) must leave in the order they drained the records, or a loss line would break
         with self._publish_lock:
             payload = self.collect(reason, only)
-            if payload is None:
-                return
-            self._last_publish = time.monotonic()
-            try:
-                self._publish({TELEMETRY_KEY: payload})
-            except Exception as exc:  # the notebook link is gone or closing: never hurt the rank
-                self.provider_errors["publish"] = repr(exc)
+            if payload is not None:
+                self._send(payload)
+
+    def _send(self, payload: dict[str, Any]) -> None:
+        """Publish one payload; the caller holds ``_publish_lock``."""
+        self._last_publish = time.monotonic()
+        try:
+            self._publish({TELEMETRY_KEY: payload})
+        except Exception as exc:  # the notebook link is gone or closing: never hurt the rank
+            self.provider_errors["publish"] = repr(exc)
 
     def collect(self, reason: str, only: tuple[str, ...] | None = None) -> dict[str, Any] | None:
         """The payload of every provider's answer; with ``only``, None when those had nothing."""

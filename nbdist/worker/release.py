@@ -25,7 +25,6 @@ RELEASE_SIGNAL = signal.SIGUSR2
 
 INSTALLED = False
 _GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never touched
-_RELEASES = 0
 
 
 def install() -> None:
@@ -85,8 +84,6 @@ def forget_group_sockets() -> None:
 
 def release_now() -> int:
     """Make a collective blocked on this rank fail; returns how many sockets were shut down."""
-    global _RELEASES
-    _RELEASES += 1
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
@@ -122,8 +119,3 @@ def shutdown_group_sockets() -> int:
         finally:
             sock.detach()  # the fd stays gloo's; it closes it when the group is destroyed
     return closed
-
-
-def releases() -> int:
-    """How many release requests this process has handled (for tests and the status view)."""
-    return _RELEASES
