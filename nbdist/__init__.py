@@ -18,8 +18,8 @@ class NbdistWarning(UserWarning):
 
 # public name -> module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
-    "Cluster": "nbdist.cluster",
-    "CellResult": "nbdist.runner",
+    "Cluster": "nbdist.api",
+    "CellResult": "nbdist.cells.runner",
     "DistributedCellError": "nbdist.errors",
     "NbdistError": "nbdist.errors",
     "NbdistConfig": "nbdist.config",
@@ -31,17 +31,17 @@ _LAZY: dict[str, str] = {
     "memory_breakdown": "nbdist.memory",
     "estimate_memory": "nbdist.memory",
     "compare_strategies": "nbdist.memory",
-    "advise": "nbdist.advisor",
+    "advise": "nbdist.memory.advisor",
 }
 
 __all__ = ["__version__", "NbdistWarning", "load_ipython_extension", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbdist.cluster import Cluster as Cluster
+    from nbdist.api import Cluster as Cluster
     from nbdist.config import NbdistConfig as NbdistConfig
     from nbdist.errors import DistributedCellError as DistributedCellError
     from nbdist.errors import NbdistError as NbdistError
-    from nbdist.runner import CellResult as CellResult
+    from nbdist.cells.runner import CellResult as CellResult
 
 
 def __getattr__(name: str) -> Any:
@@ -55,12 +55,12 @@ def __getattr__(name: str) -> Any:
 
 def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext nbdist``: register the magics."""
-    from nbdist.magics import register_magics
+    from nbdist.notebook.magics import register_magics
 
     register_magics(ipython)
 
 
 def unload_ipython_extension(ipython: Any) -> None:
-    from nbdist.magics import unregister_magics
+    from nbdist.notebook.magics import unregister_magics
 
     unregister_magics(ipython)

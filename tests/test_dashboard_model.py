@@ -17,7 +17,7 @@ import torch
 from nbdist.dashboard.colors import PALETTE_DARK, PALETTE_LIGHT, rank_color
 from nbdist.dashboard.model import DashboardConfig, DashboardModel, Series, minmax_indices
 from nbdist.dashboard.svg import format_bytes, nice_ticks, render_svg
-from nbdist.telemetry import TelemetryHub
+from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.memory_sampler import MemorySampler, install_memory_sampler

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 import nbdist
-from nbdist._memory_chart import render_svg, render_table
+from nbdist.memory.chart import render_svg, render_table
 from nbdist.dashboard.colors import rank_color
 from nbdist.memory import TransformerShape
 

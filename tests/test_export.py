@@ -14,7 +14,8 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.testing import globalipapp
 
-from nbdist import export, magics
+from nbdist import export
+from nbdist.notebook import magics
 from nbdist.cluster import free_port
 from nbdist.errors import NbdistError
 from tests.conftest import assert_all_gone

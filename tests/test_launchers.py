@@ -16,7 +16,7 @@ from IPython.core.error import UsageError
 
 from nbdist import Cluster
 from nbdist.errors import NbdistError
-from nbdist.launchers import (
+from nbdist.cluster.launchers import (
     LAUNCHERS,
     MultiHostWarning,
     build_launcher_plan,
@@ -197,7 +197,7 @@ def test_cluster_constructor_validates_launcher_options_without_starting():
 
 
 def test_dist_start_flags_reach_the_cluster(monkeypatch):
-    from nbdist import magics
+    from nbdist.notebook import magics
 
     seen: dict[str, object] = {}
 

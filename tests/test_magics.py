@@ -7,7 +7,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.testing import globalipapp
 
-from nbdist import magics
+from nbdist.notebook import magics
 from tests.conftest import assert_all_gone
 
 

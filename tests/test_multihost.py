@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from nbdist import Cluster
-from nbdist.launchers import MultiHostWarning
+from nbdist.cluster.launchers import MultiHostWarning
 from tests.conftest import FAST, assert_all_gone
 
 pytestmark = pytest.mark.multihost

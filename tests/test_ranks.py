@@ -3,7 +3,7 @@
 import pytest
 
 from nbdist.errors import NbdistError
-from nbdist.ranks import (
+from nbdist.cluster.ranks import (
     EngineInfo,
     build_rank_map,
     choose_backend,

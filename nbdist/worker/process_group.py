@@ -1,7 +1,7 @@
 """The rank's torch.distributed process group: one generation at a time, each on a fresh store.
 
 A generation is torn down (so peers blocked on this rank fail at once instead of waiting for the
-timeout) and rebuilt on a new port; the notebook side decides when (see nbdist.faults).
+timeout) and rebuilt on a new port; the notebook side decides when (see nbdist.cells.faults).
 """
 
 from __future__ import annotations

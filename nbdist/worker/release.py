@@ -11,7 +11,7 @@ On that signal the thread makes the blocked collective fail:
   "Connection closed by peer". Listening sockets are left alone: gloo aborts the process if its
   listener breaks.
 
-The group is broken afterwards; the notebook side rebuilds it (``nbdist.faults``).
+The group is broken afterwards; the notebook side rebuilds it (``nbdist.cells.faults``).
 """
 
 from __future__ import annotations

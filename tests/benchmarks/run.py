@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from nbdist.watchdog import stop_processes
+from nbdist.cluster.watchdog import stop_processes
 from tests.benchmarks.common import ROOT
 
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")

@@ -17,7 +17,7 @@ def main() -> None:
     want = common.figures(args)
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nbdist import magics as nbmagics
+    from nbdist.notebook import magics as nbmagics
     from nbdist.errors import DistributedCellError
 
     shell = InteractiveShell.instance()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from nbdist._memory_estimate import estimate_memory, normalize_strategy
+from nbdist.memory.estimate import estimate_memory, normalize_strategy
 
 MICRO_BATCHES = 2
 
@@ -36,7 +36,7 @@ def run_comparison(
     import torch
     import torch.distributed as dist
 
-    from nbdist._memory_ledger import account
+    from nbdist.memory.ledger import account
     from nbdist.memory import _gather
     from nbdist.strategies import prepare
 

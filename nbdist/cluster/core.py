@@ -1,7 +1,7 @@
 """`Cluster`: start, bootstrap, restart and stop a set of ipyparallel engines as torch ranks.
 
 How processes start is ipyparallel's job (its local or batch launchers); who is which rank is
-`nbdist.ranks`; running cells is `nbdist.runner`. This module owns the processes and the
+`nbdist.cluster.ranks`; running cells is `nbdist.cells.runner`. This module owns the processes and the
 process-group generation, and guarantees that everything it started is stopped by PID.
 """
 
@@ -27,23 +27,23 @@ from typing import Any
 
 import psutil
 
-from nbdist import watchdog
+from nbdist.cluster import watchdog
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import ClusterNotRunningError, ClusterStartError, NbdistError
-from nbdist.launchers import (
+from nbdist.cluster.launchers import (
     build_launcher_plan,
     engine_set_launchers,
     has_local_pid,
     is_loopback,
     warn_unauthenticated_rendezvous,
 )
-from nbdist.ranks import EngineInfo, RankSpec, build_rank_map, choose_backend, default_threads
-from nbdist.telemetry import TelemetryHub
+from nbdist.cluster.ranks import EngineInfo, RankSpec, build_rank_map, choose_backend, default_threads
+from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.worker import bootstrap
 
 Progress = Callable[[str], None]
 
-_LIVE_CLUSTERS: weakref.WeakSet[Cluster] = weakref.WeakSet()
+_LIVE_CLUSTERS: weakref.WeakSet[ClusterCore] = weakref.WeakSet()
 
 
 @dataclass
@@ -77,7 +77,7 @@ def _quiet_logger() -> logging.Logger:
     return log
 
 
-class Cluster:
+class ClusterCore:
     """A local (or launcher-provided) set of ranks forming one torch.distributed process group.
 
     >>> cluster = Cluster(n=2).start()          # doctest: +SKIP
@@ -99,7 +99,7 @@ class Cluster:
         interface: str | None = None,
     ) -> None:
         """`launcher`: how ipyparallel starts the engines (local, mpi, slurm, ssh; see
-        nbdist.launchers for `launcher_options`). `profile`: use the engines of a cluster already
+        nbdist.cluster.launchers for `launcher_options`). `profile`: use the engines of a cluster already
         running in that ipyparallel profile instead (see `Cluster.attach`). `master_addr`: the
         rendezvous address (default: 127.0.0.1 on one host, rank 0's address across hosts).
         `interface`: the network interface ranks talk over (GLOO/NCCL_SOCKET_IFNAME)."""
@@ -151,8 +151,6 @@ class Cluster:
         self._controller_children: set[tuple[int, float]] = set()
         self._engine_exits: dict[int, Any] = {}
         self._exit_lock = threading.Lock()
-        self._dashboard: Any = None
-        self._setup_cells: list[str] = []
 
     # ------------------------------------------------------------------ state
     @property
@@ -199,7 +197,7 @@ class Cluster:
             )
 
     # ------------------------------------------------------------------ start
-    def start(self, progress: Progress | None = None) -> Cluster:
+    def start(self, progress: Progress | None = None) -> ClusterCore:
         """Start controller and engines, give them ranks and a process group; return when a real
         all_reduce has succeeded on every rank. On failure nothing is left running."""
         if self.running:
@@ -235,7 +233,7 @@ class Cluster:
     def _start_processes(self, n: int) -> None:
         import ipyparallel as ipp
 
-        # the launcher plan (nbdist.launchers) says how ipyparallel starts engines and where the
+        # the launcher plan (nbdist.cluster.launchers) says how ipyparallel starts engines and where the
         # controller listens: 127.0.0.1 for a local cluster, off loopback only across hosts
         plan = build_launcher_plan(self.launcher, self.launcher_options, n=n,
                                    interface=self.interface)
@@ -505,7 +503,7 @@ class Cluster:
     def _start_watchdog(self) -> None:
         me = psutil.Process()
         self._watchdog = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.watchdog", "--parent", str(me.pid),
+            [sys.executable, "-m", "nbdist.cluster.watchdog", "--parent", str(me.pid),
              "--parent-create-time", repr(me.create_time()), "--pidfile", self._pidfile,
              "--workdir", self._workdir, "--interval", str(self.config.watchdog_interval)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -697,15 +695,7 @@ class Cluster:
         self._collect(asyncs, self.config.rebuild_timeout, "rebuilding the process group")
         return time.perf_counter() - started
 
-    # ------------------------------------------------------------------ cells and data
-    def run(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
-            sink: Any = None) -> Any:
-        """Run code on the chosen ranks (all by default); returns a `CellResult`."""
-        from nbdist.runner import run_cell
-
-        self._require_running()
-        return run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
-
+    # ------------------------------------------------------------------ data
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         targets = self._targets(ranks)
@@ -738,31 +728,8 @@ class Cluster:
             raise NbdistError(f"rank(s) {dead} are dead; run %dist_restart (Cluster.restart())")
         return targets
 
-    def mark_setup_cell(self, code: str) -> None:
-        """Remember a cell to re-run on every rank after a restart (e.g. imports, model setup)."""
-        if code not in self._setup_cells:
-            self._setup_cells.append(code)
-
-    # ------------------------------------------------------------------ status
-    def status(self) -> Any:
-        from nbdist.status import ClusterStatus
-
-        if self.running:
-            self.poll_dead()
-        return ClusterStatus.of(self)
-
-    def dashboard(self) -> Any:
-        """The live dashboard of this cluster (created once, kept across cells)."""
-        if self._dashboard is None:
-            from nbdist.dashboard import Dashboard
-
-            self._dashboard = Dashboard(ranks=max(self.world_size, 1))
-            # attach replays the payloads already received, so the first one is not lost
-            self._dashboard.attach(self.telemetry)
-        return self._dashboard
-
     # ------------------------------------------------------------------ restart / stop
-    def restart(self, progress: Progress | None = None, rerun_setup: bool = True) -> Cluster:
+    def restart(self, progress: Progress | None = None) -> ClusterCore:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a
         lost controller."""
         say = progress or (lambda _msg: None)
@@ -784,9 +751,6 @@ class Cluster:
             self._bootstrap(say, engine_ids=new_ids)
         for proc in self.ranks:
             self.telemetry.rank_state(proc.spec.rank, "restarted", f"pid {proc.pid}")
-        if rerun_setup and self._setup_cells:
-            for code in self._setup_cells:
-                self.run(code).raise_for_errors()
         self.start_seconds = time.perf_counter() - started
         return self
 
@@ -858,7 +822,7 @@ class Cluster:
         n: int | None = None,
         progress: Progress | None = None,
         **kwargs: Any,
-    ) -> Cluster:
+    ) -> ClusterCore:
         """Use the engines of a cluster the user already started (`ipcluster start`, a Slurm
         job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
         group; restart() waits for the engines to be back (restart them yourself)."""
@@ -1043,7 +1007,7 @@ class Cluster:
                 f"rank 0 could not open a port on {self.master_addr}: {_short_error(exc)}"
             ) from None
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> ClusterCore:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
@@ -1104,7 +1068,7 @@ def _short_error(exc: BaseException) -> str:
     return text
 
 
-def _stop_at_exit(ref: weakref.ReferenceType[Cluster]) -> None:
+def _stop_at_exit(ref: weakref.ReferenceType[ClusterCore]) -> None:
     cluster = ref()
     if cluster is not None and cluster.running:
         cluster.stop()

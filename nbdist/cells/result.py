@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.errors import DistributedCellError
-from nbdist.ranks import format_ranks
+from nbdist.cluster.ranks import format_ranks
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from nbdist.cluster import Cluster
+    from nbdist.cluster import ClusterCore
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class ClusterStatus:
     start_seconds: float
 
     @classmethod
-    def of(cls, cluster: Cluster) -> ClusterStatus:
+    def of(cls, cluster: ClusterCore) -> ClusterStatus:
         rows = tuple(
             RankRow(
                 rank=p.spec.rank, local_rank=p.spec.local_rank, host=p.spec.host, pid=p.pid,

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from nbdist.errors import NbdistError
-from nbdist.ranks import parse_ranks
+from nbdist.cluster.ranks import parse_ranks
 
 SKIP_TAGS = frozenset({"raises-exception", "nbdist-no-export"})
 """Notebook cell tags whose cells are left out of an export (failures on purpose, demos)."""

@@ -15,12 +15,12 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nbdist.errors import NbdistError
-from nbdist.ranks import format_ranks
-from nbdist.result import RankError
+from nbdist.cluster.ranks import format_ranks
+from nbdist.cells.result import RankError
 from nbdist.worker import bootstrap
 
 if TYPE_CHECKING:
-    from nbdist.runner import CellRun
+    from nbdist.cells.runner import CellRun
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 

@@ -2,7 +2,7 @@
 
 Output and telemetry arrive on ipyparallel's IO thread; callbacks only enqueue them, and the
 caller's thread (the notebook's main thread) renders them, watches deadlines and dead ranks, and
-applies the fault policy in ``nbdist.faults``.
+applies the fault policy in ``nbdist.cells.faults``.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from nbdist import faults
-from nbdist.result import CellResult, RankError
+from nbdist.cells import faults
+from nbdist.cells.result import CellResult, RankError
 from nbdist.worker.agent import TELEMETRY_KEY
 
 if TYPE_CHECKING:
-    from nbdist.cluster import Cluster
+    from nbdist.cluster import ClusterCore
 
 __all__ = ["CellResult", "OutputSink", "NullSink", "run_cell"]
 
@@ -50,7 +50,7 @@ class NullSink:
 
 
 def run_cell(
-    cluster: Cluster,
+    cluster: ClusterCore,
     code: str,
     ranks: Iterable[int] | None = None,
     timeout: float | None = None,
@@ -71,7 +71,7 @@ def run_cell(
 class CellRun:
     """One execution of a cell; lives for the duration of `run_cell`."""
 
-    def __init__(self, cluster: Cluster, code: str, targets: list[int], timeout: float | None,
+    def __init__(self, cluster: ClusterCore, code: str, targets: list[int], timeout: float | None,
                  sink: OutputSink) -> None:
         self.cluster = cluster
         self.config = cluster.config
@@ -295,6 +295,6 @@ def _exception_of(ar: Any) -> Any:
 
 
 def _fmt(ranks: Iterable[int]) -> str:
-    from nbdist.ranks import format_ranks
+    from nbdist.cluster.ranks import format_ranks
 
     return format_ranks(sorted(ranks))

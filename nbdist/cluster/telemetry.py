@@ -43,7 +43,7 @@ class TelemetryHub:
         previous = self.last_payload.get(rank)
         if payload.get("reason") == "log" and previous is not None:
             # a log() payload carries metrics only: keep the last tick's memory and "where",
-            # and its time, which says how fresh that "where" is (nbdist.faults relies on it)
+            # and its time, which says how fresh that "where" is (nbdist.cells.faults relies on it)
             self.last_payload[rank] = {**previous, **payload, "t": previous.get("t")}
         else:
             self.last_payload[rank] = payload

@@ -10,12 +10,12 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from nbdist.cluster import Cluster
+from nbdist.api import Cluster
 from nbdist.config import DEFAULT
-from nbdist.display import NotebookSink
+from nbdist.notebook.sink import NotebookSink
 from nbdist.errors import NbdistError
 from nbdist.export import SessionLog
-from nbdist.ranks import parse_ranks
+from nbdist.cluster.ranks import parse_ranks
 
 _CURRENT: Cluster | None = None
 _SESSION_LOG = SessionLog()
@@ -287,7 +287,7 @@ class DistMagics(Magics):
 
 
 def _launcher_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """%dist_start's multi-host flags as Cluster keyword arguments (see nbdist.launchers)."""
+    """%dist_start's multi-host flags as Cluster keyword arguments (see nbdist.cluster.launchers)."""
     options: dict[str, Any] = {}
     for item in args.launcher_option:
         if "=" not in item:

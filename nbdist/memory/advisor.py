@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist._memory_estimate import count_params, estimate_memory
+from nbdist.memory.estimate import count_params, estimate_memory
 
 DDP_PARAM_LIMIT = 500_000_000
 """Below this many parameters DDP is recommended whenever its model states fit."""

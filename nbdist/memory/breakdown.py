@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from nbdist._memory_chart import render_svg, render_table
-from nbdist._memory_estimate import MemoryEstimate, TransformerShape, estimate_memory
+from nbdist.memory.chart import render_svg, render_table
+from nbdist.memory.estimate import MemoryEstimate, TransformerShape, estimate_memory
 
 __all__ = [
     "MemoryEstimate", "MemoryReport", "RankMemory", "StrategyComparison", "TransformerShape",
@@ -108,7 +108,7 @@ def memory_breakdown(
     """
     import torch
 
-    from nbdist._memory_ledger import account
+    from nbdist.memory.ledger import account
 
     device = _device_of(model)
     ledger = account(model, optimizer, device.type)
@@ -274,7 +274,7 @@ class StrategyComparison:
     rows: list[dict[str, Any]]
 
     def table(self) -> str:
-        from nbdist._memory_chart import human_bytes
+        from nbdist.memory.chart import human_bytes
 
         header = ("strategy", "rank", "measured", "estimated", "ratio", "params", "grads", "optimizer",
                   "first loss", "last loss", "step s")
@@ -308,6 +308,6 @@ def compare_strategies(
     DeepSpeed's stage 1, which keeps full gradients only while it accumulates (at one micro-batch
     per step it reduces them into partitions during backward, like stage 2).
     """
-    from nbdist._compare import run_comparison
+    from nbdist.memory.compare import run_comparison
 
     return StrategyComparison(run_comparison(model_fn, batch, loss_fn, optimizer_fn, strategies, steps, precision))

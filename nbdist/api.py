@@ -1,0 +1,67 @@
+"""`nbdist.Cluster`: the one object a notebook user holds.
+
+It is the cluster layer (`nbdist.cluster.ClusterCore`: processes, ranks, process group) plus what
+sits above it: running cells (`nbdist.cells`), the status snapshot and the live dashboard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+from nbdist.cells.result import CellResult
+from nbdist.cells.runner import OutputSink, run_cell
+from nbdist.cluster.core import ClusterCore, Progress
+from nbdist.cluster.status import ClusterStatus
+
+if TYPE_CHECKING:
+    from nbdist.dashboard import Dashboard
+
+
+class Cluster(ClusterCore):
+    """A set of ranks forming one torch.distributed process group, driven from a notebook.
+
+    >>> cluster = Cluster(n=2).start()          # doctest: +SKIP
+    >>> cluster.run("dist.all_reduce(t := torch.ones(1)); t").raise_for_errors()  # doctest: +SKIP
+    >>> cluster.stop()                           # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._dashboard: Dashboard | None = None
+        self._setup_cells: list[str] = []
+
+    def run(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
+            sink: OutputSink | None = None) -> CellResult:
+        """Run code on the chosen ranks (all by default); returns a `CellResult`."""
+        self._require_running()
+        return run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
+
+    def mark_setup_cell(self, code: str) -> None:
+        """Remember a cell to re-run on every rank after a restart (e.g. imports, model setup)."""
+        if code not in self._setup_cells:
+            self._setup_cells.append(code)
+
+    def restart(self, progress: Progress | None = None, rerun_setup: bool = True) -> Cluster:
+        """Same ranks, new engine processes, new process group; then the setup cells again.
+        Works after a dead rank or a lost controller."""
+        super().restart(progress)
+        if rerun_setup:
+            for code in self._setup_cells:
+                self.run(code).raise_for_errors()
+        return self
+
+    def status(self) -> ClusterStatus:
+        if self.running:
+            self.poll_dead()
+        return ClusterStatus.of(self)
+
+    def dashboard(self) -> Dashboard:
+        """The live dashboard of this cluster (created once, kept across cells)."""
+        if self._dashboard is None:
+            from nbdist.dashboard import Dashboard  # anywidget: imported only when shown
+
+            self._dashboard = Dashboard(ranks=max(self.world_size, 1))
+            # attach replays the payloads already received, so the first one is not lost
+            self._dashboard.attach(self.telemetry)
+        return self._dashboard

@@ -1,0 +1,1 @@
+"""The IPython side: thin magics (argument parsing and display only) and the live output sink."""
