@@ -10,10 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from nbdist._version import __version__
-
-
-class NbdistWarning(UserWarning):
-    """Warnings raised by nbdist itself (tests turn these into errors)."""
+from nbdist.errors import NbdistWarning
 
 
 # public name -> module that defines it (imported on first access)

@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+class NbdistWarning(UserWarning):
+    """Warnings raised by nbdist itself (tests turn these into errors)."""
+
+
 class NbdistError(RuntimeError):
     """Base class for nbdist's own errors (bad arguments, cluster state, start failures)."""
 

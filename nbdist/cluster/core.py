@@ -190,6 +190,13 @@ class ClusterCore:
                 return proc.spec.rank
         return None
 
+    def mark_dead(self, rank: int, detail: str) -> None:
+        """The one place a rank becomes dead: its state, the reason, and the dashboard's view."""
+        proc = self.ranks[rank]
+        proc.state = "dead"
+        proc.exit_detail = detail
+        self.telemetry.rank_state(rank, "dead", detail)
+
     def _require_running(self) -> None:
         if self._client is None:
             raise ClusterNotRunningError(

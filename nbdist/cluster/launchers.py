@@ -18,8 +18,7 @@ from typing import Any
 
 from traitlets.config import Config
 
-from nbdist import NbdistWarning
-from nbdist.errors import NbdistError
+from nbdist.errors import NbdistError, NbdistWarning
 
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 """The values `launcher=` (and `%dist_start --launcher`) accept."""

@@ -1,0 +1,45 @@
+"""Collect the results of calls sent to several engines under one shared deadline."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass
+class Gathered(Generic[K]):
+    """What came back: `results` by key, and a one-line reason for each key that failed."""
+
+    results: dict[K, Any] = field(default_factory=dict)
+    failures: dict[K, str] = field(default_factory=dict)
+
+
+def gather(asyncs: Mapping[K, Any], timeout: float) -> Gathered[K]:
+    """Wait for every ipyparallel AsyncResult in `asyncs` until one deadline `timeout` s away;
+    never raises: an engine that raised or did not answer in time lands in `failures`."""
+    deadline = time.monotonic() + timeout
+    out: Gathered[K] = Gathered()
+    for key, ar in asyncs.items():
+        try:
+            out.results[key] = ar.get(timeout=max(0.0, deadline - time.monotonic()))
+        except Exception as exc:  # a RemoteError carries the engine-side traceback
+            if ar.ready():
+                out.failures[key] = short_error(exc)
+            else:
+                out.failures[key] = f"no answer within {timeout:g} s"
+    return out
+
+
+def short_error(exc: BaseException) -> str:
+    """`EName: value` and the last lines of the engine-side traceback, if any."""
+    ename = getattr(exc, "ename", type(exc).__name__)
+    evalue = getattr(exc, "evalue", str(exc))
+    tb = getattr(exc, "traceback", None)
+    text = f"{ename}: {evalue}"
+    if tb:
+        text += "\n" + "\n".join(str(tb).splitlines()[-12:])
+    return text

@@ -1,0 +1,37 @@
+"""Plain-text formatting shared by every layer: one byte formatter, one table renderer."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+
+def format_bytes(value: float | None) -> str:
+    """``1.50 GiB`` / ``312 MiB`` / ``12 KiB``: binary units, three significant figures."""
+    if value is None or not math.isfinite(value):
+        return "–"
+    value = float(value)
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(value) >= size:
+            scaled = value / size
+            digits = 2 if abs(scaled) < 10 else 1 if abs(scaled) < 100 else 0
+            return f"{scaled:.{digits}f} {unit}"
+    return f"{value:.0f} B"
+
+
+def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
+                 align: str = "left", rule: bool = False) -> str:
+    """A fixed-width text table. `align` is "left" or "right" for every column; `rule` draws a
+    line of dashes under the header."""
+    cells = [[str(c) for c in header], *([str(c) for c in row] for row in rows)]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+
+    def line(values: Sequence[str]) -> str:
+        padded = (v.rjust(w) if align == "right" else v.ljust(w) for v, w in zip(values, widths, strict=True))
+        return "  ".join(padded).rstrip()
+
+    out = [line(cells[0])]
+    if rule:
+        out.append(line(["-" * w for w in widths]))
+    out.extend(line(row) for row in cells[1:])
+    return "\n".join(out)
