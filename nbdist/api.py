@@ -6,13 +6,14 @@ sits above it: running cells (`nbdist.cells`), the status snapshot and the live 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells.result import CellResult
 from nbdist.cells.runner import OutputSink, run_cell
 from nbdist.cluster.core import ClusterCore, Progress
 from nbdist.cluster.status import ClusterStatus
+from nbdist.export.run import script_cell
 
 if TYPE_CHECKING:
     from nbdist.dashboard import Dashboard
@@ -36,6 +37,15 @@ class Cluster(ClusterCore):
         """Run code on the chosen ranks (all by default); returns a `CellResult`."""
         self._require_running()
         return run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
+
+    def run_script(self, path: str, args: Sequence[str] = (), ranks: Iterable[int] | None = None,
+                   timeout: float | None = None, sink: OutputSink | None = None) -> CellResult:
+        """Run an existing torchrun script unchanged on the chosen ranks (`%dist_run`): as
+        `__main__`, with `sys.argv = [path, *args]` and torchrun's environment; `sys.exit(0)` is
+        success. It runs in each rank's namespace, so its globals stay there for the next cell."""
+        local = not any(not p.local for p in self.ranks)
+        return self.run(script_cell(path, args, must_exist=local), ranks=ranks, timeout=timeout,
+                        sink=sink)
 
     def mark_setup_cell(self, code: str) -> None:
         """Remember a cell to re-run on every rank after a restart (e.g. imports, model setup)."""

@@ -30,6 +30,11 @@ class NbdistConfig:
     telemetry_interval: float = 0.5
     """Seconds between rank-side samples (memory, metrics, where the rank is)."""
 
+    collective_report_interval: float = 0.1
+    """While a rank waits inside a collective, seconds between reports of where it is: a peer
+    that fails meanwhile is then known to block it within this, and only then is the group torn
+    down (an error that every rank raised never touches it)."""
+
     stale_after: float = 5.0
     """A running rank that has sent no telemetry for this long is shown as stale."""
 
@@ -47,6 +52,15 @@ class NbdistConfig:
     teardown_grace: float = 3.0
     """After tearing down process groups, seconds before an engine still busy is killed."""
 
+    kill_confirm_wait: float = 3.0
+    """After the ladder's SIGKILL, seconds to wait for the engine's exit before marking it dead."""
+
+    cell_report_timeout: float = 5.0
+    """Seconds to wait for ranks' post-cell reports (collectives entered, failed collective)."""
+
+    dead_check_interval: float = 0.1
+    """While a cell runs, seconds between checks for dead engine processes (each reads /proc)."""
+
     rebuild_timeout: float = 30.0
     """Seconds for rebuilding the process group (new generation, fresh store) after a fault."""
 
@@ -58,6 +72,24 @@ class NbdistConfig:
 
     watchdog_interval: float = 0.5
     """How often the orphan watchdog checks that the notebook kernel is still alive."""
+
+    orphan_kill_grace: float = 2.0
+    """Once the kernel is gone, seconds the watchdog gives orphaned processes after SIGTERM."""
+
+    startup_poll_interval: float = 0.02
+    """How often start-up waits (connection file, engine registration) look again."""
+
+    exit_status_timeout: float = 1.0
+    """Seconds poll_dead waits for a reaped engine's exit status before calling it unknown."""
+
+    exit_status_poll_interval: float = 0.01
+    """How often poll_dead looks again for that exit status."""
+
+    telemetry_start_delay: float = 0.05
+    """A cell's start payload leaves only if the cell still runs this many seconds after it began."""
+
+    telemetry_log_spacing: float = 0.1
+    """Least seconds between two rank publishes prompted by ``nbdist.log()`` (batches a fast loop)."""
 
     def replace(self, **changes: object) -> NbdistConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

@@ -14,10 +14,11 @@ import numpy as np
 import pytest
 import torch
 
-from nbdist.dashboard.colors import PALETTE_DARK, PALETTE_LIGHT, rank_color
-from nbdist.dashboard.model import DashboardConfig, DashboardModel, Series, minmax_indices
-from nbdist.dashboard.svg import format_bytes, nice_ticks, render_svg
 from nbdist.cluster.telemetry import TelemetryHub
+from nbdist.dashboard.colors import PALETTE_DARK, PALETTE_LIGHT, rank_color
+from nbdist.dashboard.model import DashboardConfig, DashboardModel
+from nbdist.dashboard.series import Series, minmax_indices
+from nbdist.dashboard.svg import format_bytes, nice_ticks, render_svg
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.memory_sampler import MemorySampler, install_memory_sampler

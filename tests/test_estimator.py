@@ -8,9 +8,9 @@ import sys
 import pytest
 
 import nbdist
-from nbdist.memory.chart import render_svg, render_table
 from nbdist.dashboard.colors import rank_color
 from nbdist.memory import TransformerShape
+from nbdist.memory.chart import render_svg, render_table
 
 
 @pytest.mark.parametrize(("strategy", "gb"), [("ddp", 120.0), ("zero1", 31.4), ("zero2", 16.6), ("zero3", 1.9)])

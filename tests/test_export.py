@@ -15,9 +15,9 @@ from IPython.core.error import UsageError
 from IPython.testing import globalipapp
 
 from nbdist import export
-from nbdist.notebook import magics
 from nbdist.cluster import free_port
 from nbdist.errors import NbdistError
+from nbdist.notebook import magics
 from tests.conftest import assert_all_gone
 
 TRAIN_CELLS = [
@@ -106,6 +106,26 @@ def test_magic_writes_the_script_from_history(tmp_path: Path) -> None:
     assert "mse_loss" in target.read_text() and os.access(target, os.X_OK)
     with pytest.raises(UsageError, match="%dist_export"):
         ip.run_line_magic("dist_export", "")
+
+
+def test_export_session_writes_from_history_and_reports_without_ipython(tmp_path: Path) -> None:
+    log = export.SessionLog(failures={"In[3]": "rank 1 raised ValueError: no"})
+    history = ["", *TRAIN_CELLS[2:4], "%%distributed\nraise ValueError('no')"]
+    report = export.export_session(tmp_path / "t.py", history, log, world_size=2, threads=3)
+    assert report.nproc == 2 and report.path.read_text().startswith("#!/usr/bin/env python\n")
+    assert "THREADS = 3\n" in report.path.read_text()
+    assert report.summary() == [
+        f"wrote 2 cell run(s) to {report.path}; run it with torchrun --nproc-per-node 2 {report.path}",
+        "left out 1 cell(s) that failed in the notebook (In[3]); they are in the script as comments",
+    ]
+
+
+def test_script_head_fills_the_template_once() -> None:
+    head = export.script_head(title="T {nproc}", nproc=4, filename="f.py", threads=None)
+    compile(head, "f.py", "exec")
+    assert head.startswith('#!/usr/bin/env python\n"""T {nproc}\n')  # a title is kept as written
+    assert "torchrun --nproc-per-node 4 f.py" in head and "THREADS = None\n" in head
+    assert head.endswith("rank, world_size, local_rank, device = _setup_rank()\n")
 
 
 def test_pushed_values_are_assignments_or_placeholders_that_say_what_to_do() -> None:

@@ -15,7 +15,6 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist import Cluster
-from nbdist.errors import NbdistError
 from nbdist.cluster.launchers import (
     LAUNCHERS,
     MultiHostWarning,
@@ -24,6 +23,7 @@ from nbdist.cluster.launchers import (
     has_local_pid,
     ssh_engine_hosts,
 )
+from nbdist.errors import NbdistError
 from tests.conftest import FAST
 
 ENGINE = [sys.executable, "-m", "nbdist.worker.engine"]

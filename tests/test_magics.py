@@ -7,7 +7,9 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.testing import globalipapp
 
+from nbdist.errors import NbdistError
 from nbdist.notebook import magics
+from nbdist.notebook.options import launcher_kwargs, push_values
 from tests.conftest import assert_all_gone
 
 
@@ -20,6 +22,26 @@ def ip():
     cluster = magics.current_cluster()
     if cluster is not None and cluster.running:
         assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
+
+
+def test_launcher_flags_become_cluster_kwargs_without_ipython():
+    assert launcher_kwargs() == {"master_addr": None, "interface": None}  # Cluster's own default
+    assert launcher_kwargs(launcher="mpi", hosts="a,b", mpi_args="--bind-to none",
+                           launcher_options=["timelimit=2:00:00"]) == {
+        "master_addr": None, "interface": None, "launcher": "mpi",
+        "launcher_options": {"timelimit": "2:00:00", "hosts": "a,b", "mpi_args": "--bind-to none"}}
+    with pytest.raises(NbdistError, match="write KEY=VALUE"):
+        launcher_kwargs(launcher="slurm", launcher_options=["partition"])
+
+
+def test_push_items_become_values_without_ipython():
+    namespace = {"lr": 0.5}
+    assert push_values(["lr", "scale=2*lr"], namespace, lambda expr: eval(expr, {}, namespace)) == {
+        "lr": 0.5, "scale": 1.0}
+    for items, message in [([], "needs names"), (["missing"], "not defined in the notebook"),
+                           (["1x=1"], "not a valid name")]:
+        with pytest.raises(NbdistError, match=message):
+            push_values(items, namespace, lambda expr: 1)
 
 
 def test_cell_before_start_says_so(ip):

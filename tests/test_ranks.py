@@ -2,7 +2,6 @@
 
 import pytest
 
-from nbdist.errors import NbdistError
 from nbdist.cluster.ranks import (
     EngineInfo,
     build_rank_map,
@@ -11,6 +10,7 @@ from nbdist.cluster.ranks import (
     format_ranks,
     parse_ranks,
 )
+from nbdist.errors import NbdistError
 
 
 def test_parse_ranks_ranges_and_lists():

@@ -133,7 +133,7 @@ ERRORS = {
     "ds_param_stage": ("build('deepspeed', zero_stage=2, offload_param='cpu')", "set zero_stage=3"),
     "ds_config_and_stage": ("build('deepspeed', zero_stage=1, config={'train_batch_size': 2})",
                             "not both"),
-    "unknown_strategy": ("build('zero3')", "strategy='deepspeed', zero_stage=N"),
+    "unknown_strategy": ("build('zero4')", "strategy='deepspeed', zero_stage=N"),  # zero0-3 are names now
     "unknown_option": ("build('fsdp', shard_everything=True)", "valid options:"),
     "ddp_precision": ("build('ddp', mixed_precision='bf16')", "torch.autocast"),
 }

@@ -5,14 +5,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.errors import DistributedCellError
 from nbdist.cluster.ranks import format_ranks
+from nbdist.errors import DistributedCellError
 
 
 @dataclass
 class RankError:
     """One rank's failure. ``kind``: root (raised in user code), collective (released from a
-    collective because a peer failed), interrupted, timeout, dead, lost (controller gone)."""
+    collective because a peer failed), interrupted, dead, lost (controller gone)."""
 
     rank: int
     kind: str
@@ -28,8 +28,6 @@ class RankError:
             return f"rank {self.rank}: was waiting in {self.where} (released when its peer failed)"
         if self.kind == "interrupted":
             return f"rank {self.rank}: interrupted{f' at {self.where}' if self.where else ''}"
-        if self.kind == "timeout":
-            return f"rank {self.rank}: still running at the deadline{f', {self.where}' if self.where else ''}"
         if self.kind == "lost":
             return f"rank {self.rank}: no answer (controller lost)"
         return f"rank {self.rank} raised {self.ename}: {self.evalue}"
@@ -91,7 +89,7 @@ class CellResult:
         lines.append(summary)
         shown = set()
         for err in roots:
-            if err.kind in ("interrupted", "timeout", "collective"):
+            if err.kind in ("interrupted", "collective"):
                 continue
             shown.add(err.rank)
             lines.append("")

@@ -2,7 +2,7 @@
 
 Output and telemetry arrive on ipyparallel's IO thread; callbacks only enqueue them, and the
 caller's thread (the notebook's main thread) renders them, watches deadlines and dead ranks, and
-applies the fault policy in ``nbdist.cells.faults``.
+asks the fault policy (``nbdist.cells.policy``) what to do when something goes wrong.
 """
 
 from __future__ import annotations
@@ -10,43 +10,20 @@ from __future__ import annotations
 import queue
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
-from nbdist.cells import faults
+from nbdist.cells.output import NullSink, OutputSink
+from nbdist.cells.policy import FaultPolicy
+from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
 from nbdist.cells.result import CellResult, RankError
+from nbdist.cells.syntax import check_syntax
+from nbdist.errors import NbdistError
 from nbdist.worker.agent import TELEMETRY_KEY
 
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
 
 __all__ = ["CellResult", "OutputSink", "NullSink", "run_cell"]
-
-
-class OutputSink(Protocol):
-    """Where live output goes while a cell runs (the magic renders it; tests record it)."""
-
-    def on_stream(self, rank: int, name: str, text: str) -> None: ...
-
-    def on_display(self, rank: int, content: dict[str, Any]) -> None: ...
-
-    def on_telemetry(self, rank: int, payload: dict[str, Any]) -> None: ...
-
-    def on_status(self, text: str) -> None: ...
-
-
-class NullSink:
-    shows_status = False  # on_status lines go nowhere: the result must carry them
-    def on_stream(self, rank: int, name: str, text: str) -> None:
-        pass
-
-    def on_display(self, rank: int, content: dict[str, Any]) -> None:
-        pass
-
-    def on_telemetry(self, rank: int, payload: dict[str, Any]) -> None:
-        pass
-
-    def on_status(self, text: str) -> None:
-        pass
 
 
 def run_cell(
@@ -57,19 +34,20 @@ def run_cell(
     sink: OutputSink | None = None,
 ) -> CellResult:
     """Run `code` on `ranks` (all by default) and return the per-rank outcome. Never blocks past
-    `timeout` (plus the interrupt ladder's bounded steps); KeyboardInterrupt runs the ladder."""
+    `timeout` (plus the interrupt ladder's bounded steps); KeyboardInterrupt runs the ladder.
+    A cell that does not parse raises its SyntaxError here, before any rank sees it."""
     targets = cluster._targets(ranks)
+    check_syntax(code)
     if timeout is None:
         timeout = cluster.config.cell_timeout
     if timeout is not None and timeout <= 0:
-        from nbdist.errors import NbdistError
-
         raise NbdistError(f"--timeout {timeout}: must be a positive number of seconds")
     return CellRun(cluster, code, targets, timeout, sink or NullSink()).execute()
 
 
 class CellRun:
-    """One execution of a cell; lives for the duration of `run_cell`."""
+    """One execution of a cell; lives for the duration of `run_cell`. The mechanics only:
+    dispatch, events, output, results; every decision after a fault is its `policy`'s."""
 
     def __init__(self, cluster: ClusterCore, code: str, targets: list[int], timeout: float | None,
                  sink: OutputSink) -> None:
@@ -88,14 +66,10 @@ class CellRun:
         self.displays_shown: dict[int, int] = {}
         self.callbacks: list[tuple[Any, Any]] = []
         self.finished_at: dict[int, float] = {}
-        self.first_fault_at: float | None = None
-        self.torn_down = False
-        self.ladder_ran = False
-        self.killed: dict[int, str] = {}
-        self.hang_report: list[str] = []
         self.started = time.perf_counter()
         # first liveness check one interval in: a short cell then costs no /proc reads (~2 ms)
-        self._next_dead_check = self.started + 0.1
+        self._next_dead_check = self.started + self.config.dead_check_interval
+        self.policy = FaultPolicy(self)
 
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
@@ -114,10 +88,7 @@ class CellRun:
                 self._wait()
             except KeyboardInterrupt:
                 self.result.interrupted = True
-                self.sink.on_status(
-                    f"nbdist: interrupting rank(s) {_fmt(self.pending)} (stop button)"
-                )
-                faults.interrupt_ladder(self, sorted(self.pending), reason="interrupt")
+                self.policy.on_interrupt()
         finally:
             self._detach()
         self._finalize()
@@ -158,7 +129,7 @@ class CellRun:
             now = time.perf_counter()
             if deadline is not None and now >= deadline:
                 self.result.timed_out = True
-                faults.on_deadline(self)
+                self.policy.on_deadline()
                 return
             wait = self.config.poll_interval * 5
             if deadline is not None:
@@ -167,7 +138,7 @@ class CellRun:
             if self.cluster.controller_lost:
                 self._controller_lost()
                 return
-            faults.apply_fault_policy(self)
+            self.policy.while_waiting()
 
     def pump(self, wait: float) -> None:
         """Handle events for up to `wait` seconds (returns early once something arrived)."""
@@ -183,7 +154,7 @@ class CellRun:
                 item = None
         now = time.perf_counter()
         if now >= self._next_dead_check:
-            self._next_dead_check = now + 0.1
+            self._next_dead_check = now + self.config.dead_check_interval
             for rank, detail in self.cluster.poll_dead().items():
                 if rank in self.pending:
                     self.pending.discard(rank)
@@ -269,16 +240,23 @@ class CellRun:
                 continue
             proc = self.cluster.ranks[rank]
             if proc.state == "dead":
-                result.errors[rank] = faults.dead_rank_error(self, rank)
+                result.errors[rank] = self._dead_rank_error(rank)
                 continue
             error = md.get("error")
             if error is None and self.asyncs[rank].done():
                 error = _exception_of(self.asyncs[rank])
             if error is not None:
-                result.errors[rank] = faults.rank_error_from_remote(rank, error)
-        faults.after_cell(self)
-        result.report = self.hang_report + result.report
+                result.errors[rank] = rank_error_from_remote(rank, error)
+        self.policy.after_cell()
+        result.report = self.policy.hang_report + result.report
         result.elapsed = time.perf_counter() - self.started
+
+    def _dead_rank_error(self, rank: int) -> RankError:
+        # nbdist's own kill says where the rank was stuck: better than the bare exit signal
+        detail = self.policy.killed.get(rank) or self.cluster.ranks[rank].exit_detail or "engine process exited"
+        md = self.metadata.get(rank, {})
+        output = (md.get("stdout") or "") + (md.get("stderr") or "")
+        return dead_rank_error(rank, detail, output, self.cluster.engine_log_tail(rank, 80))
 
 
 def _exception_of(ar: Any) -> Any:
@@ -292,9 +270,3 @@ def _exception_of(ar: Any) -> Any:
     if elist:
         return elist[0]
     return exc
-
-
-def _fmt(ranks: Iterable[int]) -> str:
-    from nbdist.cluster.ranks import format_ranks
-
-    return format_ranks(sorted(ranks))

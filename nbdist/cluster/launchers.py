@@ -19,6 +19,7 @@ from typing import Any
 from traitlets.config import Config
 
 from nbdist.errors import NbdistError, NbdistWarning
+from nbdist.worker import net
 
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 """The values `launcher=` (and `%dist_start --launcher`) accept."""
@@ -171,22 +172,10 @@ def _mpi_spans_hosts(mpi_args: list[str]) -> bool:
     return any(arg.split("=", 1)[0] in _MPI_HOST_FLAGS for arg in mpi_args)
 
 
-def interface_ipv4(interface: str) -> str | None:
-    """The first IPv4 address of a local network interface, or None."""
-    import psutil
-
-    for addr in psutil.net_if_addrs().get(interface, []):
-        if addr.family == socket.AF_INET:
-            return str(addr.address)
-    return None
-
-
 def route_source(peer: str) -> str:
     """The local address the kernel would use to reach `peer` (no packet is sent)."""
     try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(peer), 9))
-            return str(s.getsockname()[0])
+        return net.route_source(peer)
     except OSError as exc:
         raise NbdistError(
             f"cannot tell how this machine reaches {peer!r} ({exc}); pass "
@@ -218,8 +207,34 @@ def build_launcher_plan(
     engine_set = ENGINE_SET_CLASS[launcher]
     cfg = Config()
     engine_python = str(opts.pop("engine_python", "") or "") or None
-
     passthrough = {k: opts.pop(k) for k in list(opts) if "." in k}
+    _set_friendly_options(launcher, opts, cfg[engine_set])
+    placement = _PLACEMENTS[launcher](cfg, opts, n, engine_python)
+    spans_hosts = bool(opts.pop("spans_hosts")) if "spans_hosts" in opts else placement.spans_hosts
+    if interface is not None:
+        spans_hosts = True
+
+    command = engine_command(placement.engine_python)
+    cfg[engine_set].engine_cmd = command
+    if launcher in ("local", "ssh"):  # their per-engine launchers take the command too
+        cfg[f"{'Local' if launcher == 'local' else 'SSH'}EngineLauncher"].engine_cmd = command
+    if "environment" in opts:
+        cfg[engine_set].environment = {str(k): str(v) for k, v in dict(opts.pop("environment")).items()}
+
+    controller_args = _controller_args(opts, spans_hosts)
+    cluster_kwargs: dict[str, Any] = {"engine_launcher_class": f"ipyparallel.cluster.launcher.{engine_set}"}
+    cluster_kwargs.update(_controller_address(opts, spans_hosts, interface, launcher, cfg[engine_set]))
+    assert opts == {}, opts  # every option was consumed above
+
+    for key, value in passthrough.items():
+        cls_name, trait = key.split(".", 1)
+        cfg[cls_name][trait] = value
+    cluster_kwargs["controller_args"] = controller_args
+    return LauncherPlan(launcher, cfg, cluster_kwargs, spans_hosts, placement.engine_pids_local)
+
+
+def _set_friendly_options(launcher: str, opts: dict[str, Any], engine_set: Config) -> None:
+    """Friendly option names onto the engine-set launcher's traits (popped from `opts`)."""
     friendly = _OPTION_TRAITS[launcher]
     unknown = sorted(k for k in opts if k not in friendly and k not in _COMMON_OPTIONS)
     if unknown:
@@ -235,107 +250,115 @@ def build_launcher_plan(
                 value = _as_list(value, key)
             elif trait == "timelimit" or isinstance(value, str):
                 value = str(value)
-            cfg[engine_set][trait] = value
+            engine_set[trait] = value
 
-    if launcher == "slurm" and "options" in cfg[engine_set]:
-        _slurm_options_into_template(cfg[engine_set])
 
-    spans_hosts = launcher in ("slurm", "ssh")
-    engine_pids_local = launcher in ("local", "mpi")
-    if launcher == "mpi":
-        spans_hosts = _mpi_spans_hosts(list(cfg[engine_set].get("mpi_args", [])))
-        if "hosts" in opts:
-            hosts = opts.pop("hosts")
-            names = hosts.split(",") if isinstance(hosts, str) else [str(h) for h in hosts]
-            cfg[engine_set].mpi_args = ["--host", ",".join(names), *cfg[engine_set].get("mpi_args", [])]
-            spans_hosts = True
-        engine_pids_local = not spans_hosts
-    if launcher == "ssh":
-        if "hosts" not in opts:
-            raise NbdistError(
-                "--launcher ssh needs hosts: launcher_options={'hosts': ['node1', 'node2']} "
-                "(or {'node1': 4, 'node2': 4}; %dist_start --hosts node1,node2)"
-            )
-        cfg[engine_set].engines = ssh_engine_hosts(opts.pop("hosts"), n)
-        remote_python = cfg[engine_set].get("remote_python") or engine_python or sys.executable
-        cfg[engine_set].remote_python = remote_python
-        engine_python = remote_python
-        # the engines get the controller's connection info in their environment (sent over
-        # ssh's stdin, never argv), so no key file is copied to the remote hosts
-        cfg.SSHEngineLauncher.to_send = []
-    elif "hosts" in opts:
+@dataclass(frozen=True)
+class _Placement:
+    """Where one launcher's engines run, as far as the options tell."""
+
+    spans_hosts: bool
+    engine_pids_local: bool
+    engine_python: str | None
+
+
+def _no_hosts(launcher: str, opts: dict[str, Any]) -> None:
+    if "hosts" in opts:
         raise NbdistError(f"launcher {launcher!r} does not take hosts (only ssh and mpi do)")
-    if "spans_hosts" in opts:
-        spans_hosts = bool(opts.pop("spans_hosts"))
-    if interface is not None:
+
+
+def _place_local(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
+    _no_hosts("local", opts)
+    return _Placement(spans_hosts=False, engine_pids_local=True, engine_python=python)
+
+
+def _place_slurm(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
+    _no_hosts("slurm", opts)
+    slurm = cfg[ENGINE_SET_CLASS["slurm"]]
+    if "options" in slurm:
+        _slurm_options_into_template(slurm)
+    return _Placement(spans_hosts=True, engine_pids_local=False, engine_python=python)
+
+
+def _place_mpi(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
+    mpi = cfg[ENGINE_SET_CLASS["mpi"]]
+    spans_hosts = _mpi_spans_hosts(list(mpi.get("mpi_args", [])))
+    if "hosts" in opts:
+        hosts = opts.pop("hosts")
+        names = hosts.split(",") if isinstance(hosts, str) else [str(h) for h in hosts]
+        mpi.mpi_args = ["--host", ",".join(names), *mpi.get("mpi_args", [])]
         spans_hosts = True
+    # mpiexec's PID is local; the ranks it placed on other machines are not
+    return _Placement(spans_hosts=spans_hosts, engine_pids_local=not spans_hosts, engine_python=python)
 
-    command = engine_command(engine_python)
-    cfg[engine_set].engine_cmd = command
-    if launcher == "local":
-        cfg.LocalEngineLauncher.engine_cmd = command
-    if launcher == "ssh":
-        cfg.SSHEngineLauncher.engine_cmd = command
-    if "environment" in opts:
-        cfg[engine_set].environment = {str(k): str(v) for k, v in dict(opts.pop("environment")).items()}
 
+def _place_ssh(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
+    if "hosts" not in opts:
+        raise NbdistError(
+            "--launcher ssh needs hosts: launcher_options={'hosts': ['node1', 'node2']} "
+            "(or {'node1': 4, 'node2': 4}; %dist_start --hosts node1,node2)"
+        )
+    ssh = cfg[ENGINE_SET_CLASS["ssh"]]
+    ssh.engines = ssh_engine_hosts(opts.pop("hosts"), n)
+    remote_python = ssh.get("remote_python") or python or sys.executable
+    ssh.remote_python = remote_python
+    # the engines get the controller's connection info in their environment (sent over
+    # ssh's stdin, never argv), so no key file is copied to the remote hosts
+    cfg.SSHEngineLauncher.to_send = []
+    return _Placement(spans_hosts=True, engine_pids_local=False, engine_python=remote_python)
+
+
+_PLACEMENTS = {"local": _place_local, "mpi": _place_mpi, "slurm": _place_slurm, "ssh": _place_ssh}
+
+
+def _controller_args(opts: dict[str, Any], spans_hosts: bool) -> list[str]:
+    """Log level, CurveZMQ and heartbeat settings for the controller (popped from `opts`)."""
     # ipyparallel's controller logs every request at INFO and warns about every telemetry
     # payload ("unhandled iopub msg_type: 'data_message'"): ~9 MB an hour of training on 8
     # ranks. Errors only, unless the user's own --log-level (later on the line) says otherwise.
-    controller_args: list[str] = ["--log-level=40"]
-    controller_args += _as_list(opts.pop("controller_args", []), "controller_args")
+    args: list[str] = ["--log-level=40"]
+    args += _as_list(opts.pop("controller_args", []), "controller_args")
     if opts.pop("curve", False):
-        controller_args.append("--IPController.enable_curve=True")
+        args.append("--IPController.enable_curve=True")
     if spans_hosts:
         # a dead host's engines are found by the controller's heartbeat (their PIDs are remote)
         period = int(opts.pop("heartbeat_period_ms", 1000))
         misses = int(opts.pop("heartbeat_misses", 5))
-        controller_args += [f"--HeartMonitor.period={period}",
-                            f"--HeartMonitor.max_heartmonitor_misses={misses}"]
     else:
         # the hub completes an engine's registration on a heartbeat: at ipyparallel's 3 s period
         # the engines of a local cluster waited up to 3 s for it. Same tolerance (30 s) as its
         # default; the pings are answered by a C thread, so a busy engine is never missed.
         period = int(opts.pop("heartbeat_period_ms", 500))
         misses = int(opts.pop("heartbeat_misses", max(10, 30_000 // max(period, 1))))
-        controller_args += [f"--HeartMonitor.period={period}",
-                            f"--HeartMonitor.max_heartmonitor_misses={misses}"]
+    return args + [f"--HeartMonitor.period={period}", f"--HeartMonitor.max_heartmonitor_misses={misses}"]
 
+
+def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str | None,
+                        launcher: str, engine_set: Config) -> dict[str, str]:
+    """Where the controller binds (controller_ip) and the name it advertises, if not its IP."""
     controller_ip = opts.pop("controller_ip", None)
     controller_location = opts.pop("controller_location", None)
     if controller_ip is None:
         if not spans_hosts:
             controller_ip = "127.0.0.1"
         elif interface is not None:
-            controller_ip = interface_ipv4(interface)
+            controller_ip = net.interface_ipv4(interface)
             if controller_ip is None:
                 raise NbdistError(
                     f"--interface {interface}: this machine has no IPv4 address on it "
                     "(the controller binds there); pass controller_ip= explicitly"
                 )
         elif launcher == "ssh":
-            first_host = _host_part(next(iter(cfg[engine_set].engines)))
-            controller_ip = route_source(first_host)
+            controller_ip = route_source(_host_part(next(iter(engine_set.engines))))
         else:
             # engines' hosts are unknown until the batch system places them: listen everywhere,
             # advertise this host's name (pin it with interface= or controller_ip=)
             controller_ip = "0.0.0.0"
             controller_location = controller_location or socket.gethostname()
-    assert opts == {}, opts  # every option was consumed above
-
-    for key, value in passthrough.items():
-        cls_name, trait = key.split(".", 1)
-        cfg[cls_name][trait] = value
-
-    cluster_kwargs: dict[str, Any] = {
-        "engine_launcher_class": f"ipyparallel.cluster.launcher.{engine_set}",
-        "controller_ip": str(controller_ip),
-    }
+    address = {"controller_ip": str(controller_ip)}
     if controller_location:
-        cluster_kwargs["controller_location"] = str(controller_location)
-    if controller_args:
-        cluster_kwargs["controller_args"] = controller_args
-    return LauncherPlan(launcher, cfg, cluster_kwargs, spans_hosts, engine_pids_local)
+        address["controller_location"] = str(controller_location)
+    return address
 
 
 def is_loopback(address: str) -> bool:

@@ -1,4 +1,5 @@
-"""Who is which rank: pure functions from the engines that registered to ranks, devices and env.
+"""Who is which rank: pure functions from the engines that registered to ranks, devices and env,
+and the record of each rank's process (`RankProcess`).
 
 Nothing here talks to a process. Engine ids change across restarts, so ranks are derived from
 (host, a stable per-host slot) and never from engine ids.
@@ -6,9 +7,30 @@ Nothing here talks to a process. Engine ids change across restarts, so ranks are
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from nbdist.errors import NbdistError
+
+BACKENDS = ("auto", "nccl", "gloo")
+"""The values `backend=` (and `%dist_start --backend`) accept."""
+
+
+def check_rank_request(n: int | None, gpus_per_rank: int, threads: int | None) -> None:
+    """Clear errors for a rank count, GPUs per rank or thread count that cannot work."""
+    if n is not None and (not isinstance(n, int) or n < 1):
+        raise NbdistError(f"-n {n!r}: the number of ranks must be a positive whole number")
+    if gpus_per_rank < 0:
+        raise NbdistError(f"--gpus-per-rank {gpus_per_rank}: must be 0 or more")
+    if threads is not None and threads < 1:
+        raise NbdistError(f"--threads {threads}: must be 1 or more")
+
+
+def validate_backend(requested: str) -> str:
+    """`requested` if it names a backend nbdist knows, else a clear error."""
+    if requested not in BACKENDS:
+        raise NbdistError(f"--backend {requested!r}: choose auto, nccl or gloo")
+    return requested
 
 
 @dataclass(frozen=True)
@@ -50,6 +72,35 @@ class RankSpec:
             "MASTER_PORT": str(master_port),
         }
         return env
+
+
+@dataclass
+class RankProcess:
+    """A rank as the notebook knows it: its engine, process and state."""
+
+    spec: RankSpec
+    pid: int
+    create_time: float
+    device: str
+    threads: int
+    helper_pids: list[tuple[int, float]]
+    state: str = "alive"  # alive | dead
+    exit_detail: str = ""
+    local: bool = True  # a process on this machine (signalled by PID); else through the controller
+    release_signal: int | None = None  # the engine's "fail your blocked collective" signal, if any
+
+
+def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> list[int]:
+    """The ranks a call goes to (all by default), sorted; each must exist and be alive."""
+    world_size = len(ranks)
+    targets = list(range(world_size)) if selection is None else sorted(set(selection))
+    bad = [r for r in targets if r < 0 or r >= world_size]
+    if bad:
+        raise NbdistError(f"rank(s) {bad} do not exist (ranks 0-{world_size - 1})")
+    dead = [r for r in targets if ranks[r].state == "dead"]
+    if dead:
+        raise NbdistError(f"rank(s) {dead} are dead; run %dist_restart (Cluster.restart())")
+    return targets
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
@@ -101,8 +152,7 @@ def format_ranks(ranks: list[int]) -> str:
 
 def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) -> str:
     """'auto' -> nccl when every rank can have its own GPU(s), else gloo; explicit choices checked."""
-    if requested not in ("auto", "nccl", "gloo"):
-        raise NbdistError(f"--backend {requested!r}: choose auto, nccl or gloo")
+    validate_backend(requested)
     have_gpus = bool(gpu_counts) and all(count > 0 for count in gpu_counts)
     if requested == "nccl" and not have_gpus:
         raise NbdistError(

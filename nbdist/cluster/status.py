@@ -1,4 +1,6 @@
-"""A snapshot of the cluster for `%dist_status` and the start/restart summary (text and HTML)."""
+"""A snapshot of the cluster for `%dist_status` and the start/restart summary (text and HTML).
+
+Built from a `ClusterCore` once; it never talks to the ranks itself."""
 
 from __future__ import annotations
 
@@ -6,8 +8,12 @@ import html
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from nbdist.text import render_table
+
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
+
+COLUMNS = ("rank", "local", "host", "pid", "device", "backend", "threads", "state")
 
 
 @dataclass(frozen=True)
@@ -56,14 +62,9 @@ class ClusterStatus:
                 f"{self.generation}, {health}{lost}")
 
     def table(self) -> str:
-        header = ("rank", "local", "host", "pid", "device", "backend", "threads", "state")
-        body = [(str(r.rank), str(r.local_rank), r.host, str(r.pid), r.device, r.backend,
-                 str(r.threads), r.state) for r in self.rows]
-        widths = [max(len(h), *(len(row[i]) for row in body)) if body else len(h)
-                  for i, h in enumerate(header)]
-        lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in body]
-        return "\n".join(line.rstrip() for line in lines)
+        body = [(r.rank, r.local_rank, r.host, r.pid, r.device, r.backend, r.threads, r.state)
+                for r in self.rows]
+        return render_table(COLUMNS, body)
 
     def __str__(self) -> str:
         return self.summary_line() + ("\n" + self.table() if self.rows else "")
@@ -72,8 +73,7 @@ class ClusterStatus:
         p.text(str(self))  # type: ignore[attr-defined]
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{h}</th>" for h in
-                       ("rank", "local", "host", "pid", "device", "backend", "threads", "state"))
+        head = "".join(f"<th>{h}</th>" for h in COLUMNS)
         rows = "".join(
             "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in
                              (r.rank, r.local_rank, r.host, r.pid, r.device, r.backend, r.threads, r.state))

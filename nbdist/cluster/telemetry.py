@@ -35,10 +35,6 @@ class TelemetryHub:
         if listener in self._listeners:
             self._listeners.remove(listener)
 
-    @property
-    def listeners(self) -> list[TelemetryListener]:
-        return list(self._listeners)
-
     def publish(self, rank: int, payload: dict[str, Any]) -> None:
         previous = self.last_payload.get(rank)
         if payload.get("reason") == "log" and previous is not None:

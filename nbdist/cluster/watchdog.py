@@ -69,12 +69,14 @@ def stop_processes(procs: list[psutil.Process], grace: float) -> None:
     psutil.wait_procs(still, timeout=grace)
 
 
-def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str, interval: float) -> None:
+def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str, interval: float,
+          grace: float = 2.0) -> None:
+    """Until the pid file goes away: once the parent is gone, stop every process it lists."""
     while True:
         if not os.path.exists(pidfile):
             return  # the cluster was stopped normally
         if same_process(parent_pid, parent_create_time) is None:
-            terminate_all(read_pidfile(pidfile), grace=2.0)
+            terminate_all(read_pidfile(pidfile), grace=grace)
             shutil.rmtree(workdir, ignore_errors=True)
             return
         time.sleep(interval)
@@ -87,9 +89,10 @@ def main() -> None:
     parser.add_argument("--pidfile", required=True)
     parser.add_argument("--workdir", required=True)
     parser.add_argument("--interval", type=float, default=0.5)
+    parser.add_argument("--grace", type=float, default=2.0)
     args = parser.parse_args()
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    watch(args.parent, args.parent_create_time, args.pidfile, args.workdir, args.interval)
+    watch(args.parent, args.parent_create_time, args.pidfile, args.workdir, args.interval, args.grace)
 
 
 if __name__ == "__main__":

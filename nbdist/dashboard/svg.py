@@ -12,8 +12,11 @@ from typing import Any
 
 import numpy as np
 
-from nbdist.dashboard.colors import rank_color, rank_dash
+from nbdist.colors import rank_color, rank_dash
 from nbdist.dashboard.model import DashboardModel
+from nbdist.text import format_bytes
+
+__all__ = ["format_bytes", "format_number", "nice_ticks", "render_svg"]  # format_bytes: re-exported
 
 _STATE_COLORS = {
     "running": "#2e9e44",
@@ -34,24 +37,6 @@ _STYLE = """
 .nbd-track{fill:var(--jp-layout-color2,#eee)}
 .nbd-l{fill:none;stroke-width:1.5;stroke-linejoin:round}
 """.replace("\n", "")
-
-
-def format_bytes(value: float | None) -> str:
-    """``1.50 GiB`` / ``312 MiB`` / ``12 KiB``: binary units, as the live widget shows them."""
-    if value is None or not math.isfinite(value):
-        return "–"
-    value = float(value)
-    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            scaled = value / size
-            return (
-                f"{scaled:.2f} {unit}"
-                if scaled < 10
-                else f"{scaled:.1f} {unit}"
-                if scaled < 100
-                else f"{scaled:.0f} {unit}"
-            )
-    return f"{value:.0f} B"
 
 
 def format_number(value: float | None) -> str:
@@ -188,6 +173,13 @@ def _draw_lines(
         out.append(f'<path class="nbd-l" stroke="{rank_color(rank)}"{style} d="{_path(px, py)}"/>')
 
 
+_ROW = 20
+_TABLE_TOP = 44
+_CHART_HEIGHT = 230
+_COLUMNS = (12, 64, 150, 226, 296, 376)
+"""x of the table's columns: rank, state, step, steps/s, last metric value, memory bar."""
+
+
 def render_svg(
     model: DashboardModel,
     metric: str | None = None,
@@ -196,15 +188,11 @@ def render_svg(
     title: str = "nbdist dashboard",
 ) -> str:
     """The whole dashboard as one standalone SVG document (string)."""
-    config = model.config
     ranks = list(model.ranks)
     names = model.metric_names()
     metric = metric if metric in names else (names[0] if names else None)
-    row = 20
-    table_top = 44
-    charts_top = table_top + row * (len(ranks) + 1) + 12
-    chart_height = 230
-    height = charts_top + chart_height + 28
+    charts_top = _TABLE_TOP + _ROW * (len(ranks) + 1) + 12
+    height = charts_top + _CHART_HEIGHT + 28
     out: list[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="nbdist-static" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}">',
@@ -213,8 +201,16 @@ def render_svg(
         f'<text class="nbd-t nbd-h" x="12" y="22">{html.escape(title)}</text>',
         f'<text class="nbd-t nbd-m" x="{width - 12}" y="22" text-anchor="end">{len(ranks)} ranks · cell {model.cell} · final at cell end</text>',
     ]
-    # per-rank table: state, step, steps/s, last metric, memory bar against capacity
-    columns = (12, 64, 150, 226, 296, 376)
+    _draw_rank_table(out, model, metric, width)
+    half = (width - 24) / 2
+    _draw_metric_chart(out, model, metric, log_scale, _Chart(12, charts_top, half, _CHART_HEIGHT))
+    _draw_memory_chart(out, model, _Chart(12 + half, charts_top, half, _CHART_HEIGHT))
+    out.append("</svg>")
+    return "".join(out)
+
+
+def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, width: int) -> None:
+    """Per rank: state, step, steps/s, the metric's last value and a memory bar against capacity."""
     headers = (
         "rank",
         "state",
@@ -223,80 +219,77 @@ def render_svg(
         html.escape(metric or "metric"),
         "memory: allocated ▮ reserved ▯ peak ┃ of capacity",
     )
-    for x, text in zip(columns, headers, strict=False):
-        out.append(f'<text class="nbd-t nbd-m" x="{x}" y="{table_top}">{text}</text>')
-    bar_left, bar_width = columns[5], width - columns[5] - 12
-    for index, rank in enumerate(ranks):
+    for x, text in zip(_COLUMNS, headers, strict=False):
+        out.append(f'<text class="nbd-t nbd-m" x="{x}" y="{_TABLE_TOP}">{text}</text>')
+    bar_width = width - _COLUMNS[5] - 12
+    for index, rank in enumerate(model.ranks):
         summary = model.rank_summary(rank)
-        y = table_top + row * (index + 1)
-        out.append(f'<circle cx="{columns[0] + 5}" cy="{y - 4}" r="5" fill="{rank_color(rank)}"/>')
-        out.append(f'<text class="nbd-t" x="{columns[0] + 16}" y="{y}">{rank}</text>')
+        y = _TABLE_TOP + _ROW * (index + 1)
+        out.append(f'<circle cx="{_COLUMNS[0] + 5}" cy="{y - 4}" r="5" fill="{rank_color(rank)}"/>')
+        out.append(f'<text class="nbd-t" x="{_COLUMNS[0] + 16}" y="{y}">{rank}</text>')
         state = summary["state"]
         label = state if state != "stale" else f"stale {summary['age'] or 0:.0f} s"
         out.append(
-            f'<text class="nbd-t" x="{columns[1]}" y="{y}" style="fill:{_STATE_COLORS.get(state, "#888")}">{html.escape(label)}</text>'
+            f'<text class="nbd-t" x="{_COLUMNS[1]}" y="{y}" style="fill:{_STATE_COLORS.get(state, "#888")}">{html.escape(label)}</text>'
         )
-        out.append(
-            f'<text class="nbd-t" x="{columns[2]}" y="{y}">{format_number(summary["step"])}</text>'
-        )
-        out.append(
-            f'<text class="nbd-t" x="{columns[3]}" y="{y}">{format_number(summary["steps_per_s"])}</text>'
-        )
+        out.append(f'<text class="nbd-t" x="{_COLUMNS[2]}" y="{y}">{format_number(summary["step"])}</text>')
+        out.append(f'<text class="nbd-t" x="{_COLUMNS[3]}" y="{y}">{format_number(summary["steps_per_s"])}</text>')
         last = summary["last"].get(metric) if metric else None
-        out.append(f'<text class="nbd-t" x="{columns[4]}" y="{y}">{format_number(last)}</text>')
-        memory = summary["memory"] or {}
-        capacity = float(memory.get("capacity") or 0)
-        track_width = min(160, bar_width - 320)
+        out.append(f'<text class="nbd-t" x="{_COLUMNS[4]}" y="{y}">{format_number(last)}</text>')
+        _draw_memory_bar(out, rank, summary["memory"] or {}, y, min(160, bar_width - 320))
+
+
+def _draw_memory_bar(out: list[str], rank: int, memory: dict[str, Any], y: int, track_width: float) -> None:
+    """allocated (solid) and reserved (faint) as shares of capacity, peak as a tick, then the numbers."""
+    bar_left = _COLUMNS[5]
+    capacity = float(memory.get("capacity") or 0)
+    out.append(
+        f'<rect class="nbd-track" x="{bar_left}" y="{y - 11}" width="{track_width}" height="12" rx="2"/>'
+    )
+    if capacity > 0:
+        color = rank_color(rank)
+
+        def frac(key: str) -> float:
+            return min(1.0, max(0.0, float(memory.get(key) or 0) / capacity))
+
         out.append(
-            f'<rect class="nbd-track" x="{bar_left}" y="{y - 11}" width="{track_width}" height="12" rx="2"/>'
-        )
-        if capacity > 0:
-            color = rank_color(rank)
-
-            def frac(
-                key: str, memory: dict[str, Any] = memory, capacity: float = capacity
-            ) -> float:
-                return min(1.0, max(0.0, float(memory.get(key) or 0) / capacity))
-
-            out.append(
-                f'<rect x="{bar_left}" y="{y - 11}" width="{frac("reserved") * track_width:.1f}" height="12" rx="2" fill="{color}" fill-opacity="0.35"/>'
-            )
-            out.append(
-                f'<rect x="{bar_left}" y="{y - 11}" width="{frac("allocated") * track_width:.1f}" height="12" rx="2" fill="{color}"/>'
-            )
-            peak_x = bar_left + frac("peak") * track_width
-            out.append(
-                f'<line x1="{peak_x:.1f}" y1="{y - 13}" x2="{peak_x:.1f}" y2="{y + 3}" stroke="{color}" stroke-width="2"/>'
-            )
-        text = (
-            f"{format_bytes(memory.get('allocated'))} / {format_bytes(memory.get('reserved'))}"
-            f" · peak {format_bytes(memory.get('peak'))} · of {format_bytes(capacity or None)}"
+            f'<rect x="{bar_left}" y="{y - 11}" width="{frac("reserved") * track_width:.1f}" height="12" rx="2" fill="{color}" fill-opacity="0.35"/>'
         )
         out.append(
-            f'<text class="nbd-t nbd-m" x="{bar_left + track_width + 8}" y="{y}">{html.escape(text)}</text>'
+            f'<rect x="{bar_left}" y="{y - 11}" width="{frac("allocated") * track_width:.1f}" height="12" rx="2" fill="{color}"/>'
         )
+        peak_x = bar_left + frac("peak") * track_width
+        out.append(
+            f'<line x1="{peak_x:.1f}" y1="{y - 13}" x2="{peak_x:.1f}" y2="{y + 3}" stroke="{color}" stroke-width="2"/>'
+        )
+    text = (
+        f"{format_bytes(memory.get('allocated'))} / {format_bytes(memory.get('reserved'))}"
+        f" · peak {format_bytes(memory.get('peak'))} · of {format_bytes(capacity or None)}"
+    )
+    out.append(
+        f'<text class="nbd-t nbd-m" x="{bar_left + track_width + 8}" y="{y}">{html.escape(text)}</text>'
+    )
 
-    half = (width - 24) / 2
-    points = config.svg_points_per_series
-    metric_chart = _Chart(12, charts_top, half, chart_height)
-    metric_chart.frame(out, f"{metric or 'metric'} per rank{' (log)' if log_scale else ''}", "step")
-    metric_lines = []
-    for rank in ranks:
-        line = model.ranks[rank].metrics.get(metric or "")
+
+def _draw_metric_chart(out: list[str], model: DashboardModel, metric: str | None, log_scale: bool,
+                       chart: _Chart) -> None:
+    chart.frame(out, f"{metric or 'metric'} per rank{' (log)' if log_scale else ''}", "step")
+    lines = []
+    for rank, history in model.ranks.items():
+        line = history.metrics.get(metric or "")
         if line is not None and line.n:
-            x, y = line.downsampled(points)
-            metric_lines.append((rank, x, y, rank_dash(rank)))
-    _draw_lines(out, metric_chart, metric_lines, log_scale, format_number)
+            x, y = line.downsampled(model.config.svg_points_per_series)
+            lines.append((rank, x, y, rank_dash(rank)))
+    _draw_lines(out, chart, lines, log_scale, format_number)
 
-    memory_chart = _Chart(12 + half, charts_top, half, chart_height)
-    memory_chart.frame(out, "memory per rank (— allocated, - - reserved)", "seconds")
-    memory_lines = []
-    for rank in ranks:
+
+def _draw_memory_chart(out: list[str], model: DashboardModel, chart: _Chart) -> None:
+    chart.frame(out, "memory per rank (— allocated, - - reserved)", "seconds")
+    lines = []
+    for rank, history in model.ranks.items():
         for name, dash in (("allocated", rank_dash(rank)), ("reserved", "4 3")):
-            line = model.ranks[rank].memory.get(name)
+            line = history.memory.get(name)
             if line is not None and line.n:
-                x, y = line.downsampled(points)
-                memory_lines.append((rank, x, y, dash))
-    _draw_lines(out, memory_chart, memory_lines, False, format_bytes)
-    out.append("</svg>")
-    return "".join(out)
+                x, y = line.downsampled(model.config.svg_points_per_series)
+                lines.append((rank, x, y, dash))
+    _draw_lines(out, chart, lines, False, format_bytes)

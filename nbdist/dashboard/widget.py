@@ -20,7 +20,8 @@ import anywidget
 import traitlets
 
 from nbdist.dashboard.model import DashboardConfig, DashboardModel
-from nbdist.dashboard.svg import format_bytes, format_number, render_svg
+from nbdist.dashboard.svg import format_number, render_svg
+from nbdist.text import format_bytes
 
 _HERE = Path(__file__).parent
 

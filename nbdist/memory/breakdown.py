@@ -1,22 +1,18 @@
-"""What sits in each rank's memory: measured (``memory_breakdown``), predicted (``estimate_memory``)
-and both side by side for several strategies (``compare_strategies``).
+"""``nbdist.memory_breakdown``: what sits in each rank's memory now, measured (model states exactly,
+activations from one forward), as a table and a stacked bar chart.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from nbdist.memory.chart import render_svg, render_table
-from nbdist.memory.estimate import MemoryEstimate, TransformerShape, estimate_memory
 
-__all__ = [
-    "MemoryEstimate", "MemoryReport", "RankMemory", "StrategyComparison", "TransformerShape",
-    "compare_strategies", "estimate_memory", "memory_breakdown",
-]
+__all__ = ["MemoryReport", "RankMemory", "memory_breakdown"]
 
 
 @dataclass
@@ -135,10 +131,11 @@ def memory_breakdown(
         other=other, offloaded=ledger.offloaded, allocated=allocated, reserved=reserved,
         peak_forward=peak_forward,
     )
-    return MemoryReport(_gather(mine) if gather else [mine])
+    return MemoryReport(gather_from_ranks(mine) if gather else [mine])
 
 
-def _gather(mine: Any) -> list[Any]:
+def gather_from_ranks(mine: Any) -> list[Any]:
+    """Every rank's ``mine``, in rank order (a collective; just ``[mine]`` without a process group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -265,49 +262,3 @@ def _rss() -> int | None:
         return int(psutil.Process().memory_info().rss)
     except Exception:  # pragma: no cover - psutil is a dependency, but never fail a measurement
         return None
-
-
-@dataclass
-class StrategyComparison:
-    """Measured beside estimated model-state bytes, one row per (strategy, rank)."""
-
-    rows: list[dict[str, Any]]
-
-    def table(self) -> str:
-        from nbdist.memory.chart import human_bytes
-
-        header = ("strategy", "rank", "measured", "estimated", "ratio", "params", "grads", "optimizer",
-                  "first loss", "last loss", "step s")
-        lines = [header]
-        for r in self.rows:
-            lines.append((r["strategy"], str(r["rank"]), human_bytes(r["measured"]), human_bytes(r["estimated"]),
-                          f"{r['ratio']:.3f}", human_bytes(r["params"]), human_bytes(r["grads"]),
-                          human_bytes(r["optimizer"]), f"{r['losses'][0]:.4g}", f"{r['losses'][-1]:.4g}",
-                          f"{r['step_seconds']:.3f}"))
-        widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-        return "\n".join("  ".join(c.rjust(w) for c, w in zip(line, widths, strict=False)) for line in lines)
-
-    def __str__(self) -> str:
-        return self.table()
-
-
-def compare_strategies(
-    model_fn: Callable[[], Any],
-    batch: Any,
-    loss_fn: Callable[[Any], Any],
-    *,
-    optimizer_fn: Callable[[Any], Any] | None = None,
-    strategies: Sequence[str] = ("ddp", "zero1", "zero2", "zero3", "fsdp"),
-    steps: int = 3,
-    precision: str = "fp32",
-) -> StrategyComparison:
-    """Train ``steps`` steps of ``model_fn()`` under each strategy; measured beside estimated.
-
-    Runs on every rank (a collective). Each step takes two micro-batches of ``batch``, and model
-    states are measured after each backward; the peak is reported. Two micro-batches matter for
-    DeepSpeed's stage 1, which keeps full gradients only while it accumulates (at one micro-batch
-    per step it reduces them into partitions during backward, like stage 2).
-    """
-    from nbdist.memory.compare import run_comparison
-
-    return StrategyComparison(run_comparison(model_fn, batch, loss_fn, optimizer_fn, strategies, steps, precision))

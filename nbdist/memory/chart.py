@@ -1,6 +1,6 @@
 """Pure rendering of per-rank memory: a stacked bar per rank (SVG string) and a text table.
 
-No torch, no I/O: rows in, markup out. Rank labels use the dashboard's rank colours.
+No torch, no I/O: rows in, markup out. Rank labels use the dashboard's rank colours (nbdist.colors).
 """
 
 from __future__ import annotations
@@ -9,7 +9,9 @@ import html
 from collections.abc import Sequence
 from typing import Any
 
-from nbdist.dashboard.colors import rank_color
+from nbdist.colors import rank_color
+from nbdist.text import format_bytes
+from nbdist.text import render_table as render_text_table
 
 SEGMENTS = ("params", "grads", "optimizer", "activations", "other")
 """Bar segments bottom to top; every row is a mapping with these keys (None counts as 0)."""
@@ -23,22 +25,10 @@ SEGMENT_COLORS = {
 }
 
 
-def human_bytes(value: float | None) -> str:
-    if value is None:
-        return "—"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(value) >= size:
-            return f"{value / size:.2f} {unit}"
-    return f"{value:.0f} B"
-
-
 def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = (*SEGMENTS, "total")) -> str:
     """Fixed-width text table, one line per rank."""
-    header = ["rank", *columns]
-    lines = [[str(r.get("rank", i)), *(human_bytes(r.get(c)) for c in columns)] for i, r in enumerate(rows)]
-    widths = [max(len(x) for x in col) for col in zip(header, *lines, strict=False)]
-    fmt = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=False))  # noqa: E731
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *(fmt(line) for line in lines)])
+    lines = [[r.get("rank", i), *(format_bytes(r.get(c)) for c in columns)] for i, r in enumerate(rows)]
+    return render_text_table(["rank", *columns], lines, align="right", rule=True)
 
 
 def render_svg(rows: Sequence[dict[str, Any]], title: str = "memory per rank", width: int = 520) -> str:
@@ -55,7 +45,7 @@ def render_svg(rows: Sequence[dict[str, Any]], title: str = "memory per rank", w
         f'viewBox="0 0 {width} {height}" font-family="system-ui,sans-serif" font-size="11">',
         f'<text x="{left}" y="18" font-size="13" font-weight="600">{html.escape(title)}</text>',
         f'<line x1="{left}" y1="{top + plot_h}" x2="{left + slot * n}" y2="{top + plot_h}" stroke="#999"/>',
-        f'<text x="{left - 6}" y="{top + 4}" text-anchor="end" fill="#666">{human_bytes(peak)}</text>',
+        f'<text x="{left - 6}" y="{top + 4}" text-anchor="end" fill="#666">{format_bytes(peak)}</text>',
         f'<text x="{left - 6}" y="{top + plot_h}" text-anchor="end" fill="#666">0</text>',
     ]
     for i, row in enumerate(rows):
@@ -69,7 +59,7 @@ def render_svg(rows: Sequence[dict[str, Any]], title: str = "memory per rank", w
                 out.append(
                     f'<rect x="{x:.1f}" y="{y:.1f}" width="{bar_w:.1f}" height="{h:.1f}" '
                     f'fill="{SEGMENT_COLORS[segment]}"><title>rank {row.get("rank", i)} {segment}: '
-                    f"{human_bytes(value)}</title></rect>"
+                    f"{format_bytes(value)}</title></rect>"
                 )
         rank = int(row.get("rank", i))
         out.append(

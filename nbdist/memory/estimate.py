@@ -8,21 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# strategy name -> (params sharded, grads sharded, optimizer state sharded) at the peak of a step
-_SHARDING = {
-    "ddp": (False, False, False),
-    "zero1": (False, False, True),
-    "zero2": (False, True, True),
-    "zero3": (True, True, True),
-    "fsdp": (True, True, True),
-    # FSDP2 reshard_after_forward=False keeps gathered params from forward to the end of backward.
-    "fsdp_shard_grad_op": (False, True, True),
-}
-_ALIASES = {
-    "fsdp_full_shard": "fsdp", "full_shard": "fsdp", "shard_grad_op": "fsdp_shard_grad_op",
-    "zero-1": "zero1", "zero-2": "zero2", "zero-3": "zero3", "deepspeed": "zero2",
-}
-STRATEGY_NAMES = tuple(_SHARDING)
+from nbdist.strategies.base import Strategy
+from nbdist.strategies.registry import get_strategy
 
 
 @dataclass(frozen=True)
@@ -92,24 +79,14 @@ class MemoryEstimate:
 
 
 def bytes_per_param(strategy: str, precision: str) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per parameter for Adam.
-
-    mixed: 2 + 2 + 12 (fp32 master, momentum, variance), the paper's K = 12.
-    fp32: 4 + 4 + 8 under torch (no master copy), but DeepSpeed's ZeRO still clones an fp32
-    master partition, so K = 12 there (measured with DeepSpeed 0.19).
-    """
-    if precision == "mixed":
-        return (2.0, 2.0, 12.0)
-    if precision == "fp32":
-        return (4.0, 4.0, 12.0 if strategy.startswith("zero") else 8.0)
-    raise ValueError(f"precision={precision!r}: use 'mixed' (16-bit + fp32 master) or 'fp32'")
+    """(params, grads, optimizer) bytes per parameter for Adam under ``strategy`` (see
+    :func:`nbdist.strategies.base.adam_bytes`: DeepSpeed's ZeRO keeps K = 12 even in fp32)."""
+    return get_strategy(strategy).bytes_per_param(precision)
 
 
-def normalize_strategy(strategy: str) -> str:
-    name = _ALIASES.get(strategy.lower(), strategy.lower())
-    if name not in _SHARDING:
-        raise ValueError(f"strategy={strategy!r}: use one of {', '.join(STRATEGY_NAMES)}")
-    return name
+def normalize_strategy(strategy: str, zero_stage: int | None = None) -> str:
+    """The one name of ``strategy`` (an alias, or "deepspeed" with ``zero_stage``)."""
+    return get_strategy(strategy, zero_stage).name
 
 
 def count_params(model_or_count: Any) -> int:
@@ -127,6 +104,7 @@ def estimate_memory(
     world_size: int,
     strategy: str = "ddp",
     *,
+    zero_stage: int | None = None,
     precision: str = "mixed",
     optimizer_bytes: float | None = None,
     offload_optimizer: bool = False,
@@ -137,45 +115,56 @@ def estimate_memory(
 ) -> MemoryEstimate:
     """Model-state bytes per rank from the ZeRO paper (arXiv:1910.02054 §5), plus activations.
 
-    ``strategy``: ddp, zero1, zero2, zero3, fsdp (full shard) or fsdp_shard_grad_op.
+    ``strategy``: ddp, zero0-zero3, fsdp (full shard) or fsdp_shard_grad_op, the names
+    ``nbdist.prepare`` takes; "deepspeed" with ``zero_stage`` (default 2) works too.
     ``precision``: "mixed" (Ψ·(2 + 2 + K), K = 12) or "fp32" (see :func:`bytes_per_param`).
     ``optimizer_bytes`` overrides K (e.g. 4 for SGD with momentum in fp32).
     Offloading moves the optimizer state (and, for ZeRO-Offload, the fp32 gradient partition)
     or the parameter shards to ``offloaded``. Activations need ``transformer`` (or a
     TransformerShape as the first argument) and ``micro_batch``.
     """
-    name = normalize_strategy(strategy)
+    chosen = get_strategy(strategy, zero_stage)
     if world_size < 1:
         raise ValueError(f"world_size={world_size}: need at least one rank")
     psi = count_params(model_or_param_count)
-    p_bytes, g_bytes, k_bytes = bytes_per_param(name, precision)
+    p_bytes, g_bytes, k_bytes = chosen.bytes_per_param(precision)
     if optimizer_bytes is not None:
         k_bytes = float(optimizer_bytes)
-    shard_p, shard_g, shard_k = _SHARDING[name]
-    n = world_size
-    params = p_bytes * psi / (n if shard_p else 1)
-    grads = g_bytes * psi / (n if shard_g else 1)
-    optimizer = k_bytes * psi / (n if shard_k else 1)
-    offloaded = 0.0
-    if name == "ddp" and (offload_optimizer or offload_param):
-        raise ValueError("DDP cannot offload: use zero1/2/3 or fsdp")
-    if name.startswith("fsdp") and (offload_optimizer or offload_param):
-        # FSDP's CPUOffloadPolicy moves params, grads and the optimizer step together.
-        offloaded, params, grads, optimizer = params + grads + optimizer, 0.0, 0.0, 0.0
-    else:
-        if offload_optimizer:
-            # ZeRO-Offload keeps the fp32 gradient partition on the CPU beside the optimizer.
-            offloaded += optimizer + (grads if shard_g else 0.0)
-            optimizer, grads = 0.0, (0.0 if shard_g else grads)
-        if offload_param:
-            if not shard_p:
-                raise ValueError("parameter offload needs sharded parameters: use zero3 or fsdp")
-            offloaded, params = offloaded + params, 0.0
+    shard, n = chosen.sharding, world_size
+    resident = (p_bytes * psi / (n if shard.params else 1), g_bytes * psi / (n if shard.grads else 1),
+                k_bytes * psi / (n if shard.optimizer else 1))
+    params, grads, optimizer, offloaded = _offload(chosen, resident, offload_optimizer, offload_param)
     shape = transformer if transformer is not None else (
         model_or_param_count if isinstance(model_or_param_count, TransformerShape) else None)
     activations = None
     if shape is not None and micro_batch is not None:
         activations = shape.activation_bytes(micro_batch, activation_checkpointing, 2 if precision == "mixed" else 4)
     sharded = lambda flag, b: f"{b:g}Ψ/N" if flag else f"{b:g}Ψ"  # noqa: E731
-    formula = " + ".join((sharded(shard_p, p_bytes), sharded(shard_g, g_bytes), sharded(shard_k, k_bytes)))
-    return MemoryEstimate(name, n, psi, params, grads, optimizer, activations, offloaded, formula)
+    formula = " + ".join((sharded(shard.params, p_bytes), sharded(shard.grads, g_bytes),
+                          sharded(shard.optimizer, k_bytes)))
+    return MemoryEstimate(chosen.name, n, psi, params, grads, optimizer, activations, offloaded, formula)
+
+
+def _offload(strategy: Strategy, resident: tuple[float, float, float], offload_optimizer: bool,
+             offload_param: bool) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, offloaded) bytes once the requested offloading is applied."""
+    params, grads, optimizer = resident
+    shard = strategy.sharding
+    if not (offload_optimizer or offload_param):
+        return params, grads, optimizer, 0.0
+    if not (shard.params or shard.grads or shard.optimizer):
+        who = "DDP" if strategy.family == "ddp" else f"ZeRO stage 0 ({strategy.name})"
+        raise ValueError(f"{who} cannot offload: use zero1/2/3 or fsdp")
+    if strategy.family == "fsdp":
+        # FSDP's CPUOffloadPolicy moves params, grads and the optimizer step together.
+        return 0.0, 0.0, 0.0, params + grads + optimizer
+    offloaded = 0.0
+    if offload_optimizer:
+        # ZeRO-Offload keeps the fp32 gradient partition on the CPU beside the optimizer.
+        offloaded += optimizer + (grads if shard.grads else 0.0)
+        optimizer, grads = 0.0, (0.0 if shard.grads else grads)
+    if offload_param:
+        if not shard.params:
+            raise ValueError("parameter offload needs sharded parameters: use zero3 or fsdp")
+        offloaded, params = offloaded + params, 0.0
+    return params, grads, optimizer, offloaded

@@ -1,21 +1,27 @@
-"""The IPython magics: parse arguments, call Cluster / run_cell, display. Nothing else lives here."""
+"""The IPython magics: parse arguments (IPython's magic_arguments), call the public Cluster and
+nbdist.export, display. Everything else is plain Python in nbdist.notebook.options and below."""
 
 from __future__ import annotations
 
 import argparse
-import shlex
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.utils.process import arg_split
 
 from nbdist.api import Cluster
+from nbdist.cells.result import CellResult
+from nbdist.cluster.ranks import BACKENDS, parse_ranks
 from nbdist.config import DEFAULT
-from nbdist.notebook.sink import NotebookSink
 from nbdist.errors import NbdistError
-from nbdist.export import SessionLog
-from nbdist.cluster.ranks import parse_ranks
+from nbdist.export import SessionLog, export_session
+from nbdist.notebook.options import launcher_kwargs, positive_int, positive_seconds, push_values
+from nbdist.notebook.sink import NotebookSink
 
 _CURRENT: Cluster | None = None
 _SESSION_LOG = SessionLog()
@@ -30,67 +36,32 @@ def session_log() -> SessionLog:
     return _SESSION_LOG
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> Any:  # argparse would exit the kernel
-        raise UsageError(f"{self.prog}: {message}\nusage: {self.format_usage().strip()}")
-
-
-def _parse(parser: argparse.ArgumentParser, line: str) -> argparse.Namespace:
+def _parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
+    """IPython's parse_argstring, but the line is split the POSIX way: quotes group words and are
+    removed (-o "ssh_args=-p 2222"), where parse_argstring would keep them inside the value."""
+    parser = magic.parser  # type: ignore[attr-defined]  # set by @magic_arguments
+    name = f"%{parser.prog}"
     try:
-        return parser.parse_args(shlex.split(line))
-    except ValueError as exc:
-        raise UsageError(f"{parser.prog}: {exc}") from None
+        return parser.parse_args(arg_split(line, posix=True))
+    except UsageError as exc:
+        # magic_arguments' usage starts "::" (reST) and its wrapped lines are one space short
+        usage = parser.format_usage().replace("::\n\n  ", "usage: ", 1).replace("\n ", "\n  ")
+        raise UsageError(f"{name}: {exc}\n{usage.strip()}") from None
+    except ValueError as exc:  # an unclosed quote
+        raise UsageError(f"{name}: {exc}") from None
 
 
-def _positive_int(text: str) -> int:
+@contextmanager
+def _as_usage_error(prefix: str = "", *also: type[Exception]) -> Iterator[None]:
+    """nbdist's own errors (and ``also``) shown as a UsageError: the message, no traceback."""
     try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
-    return value
+        yield
+    except (NbdistError, *also) as exc:
+        raise UsageError(f"{prefix}{exc}") from None
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
-    return value
-
-
-START = _Parser(prog="%dist_start", add_help=False)
-START.add_argument("-n", type=_positive_int, default=None, help="number of ranks")
-START.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto")
-START.add_argument("--gpus-per-rank", type=int, default=1)
-START.add_argument("--threads", type=_positive_int, default=None)
-START.add_argument("--timeout", type=_positive_float, default=None,
-                   help="default deadline for every %%distributed cell")
-START.add_argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local",
-                   help="how ipyparallel starts the engines")
-START.add_argument("--profile", default=None,
-                   help="use the engines of a cluster already running in this ipyparallel profile")
-START.add_argument("--master-addr", default=None, help="rendezvous address (default: rank 0's)")
-START.add_argument("--interface", default=None,
-                   help="network interface the ranks talk over (GLOO/NCCL_SOCKET_IFNAME)")
-START.add_argument("--hosts", default=None, help="ssh/mpi: host1,host2 or host1*4,host2*4")
-START.add_argument("--mpi-args", default=None, help="extra mpiexec arguments (one quoted string)")
-START.add_argument("--curve", action="store_true", help="encrypt ipyparallel traffic (CurveZMQ)")
-START.add_argument("-o", "--launcher-option", action="append", default=[], metavar="KEY=VALUE",
-                   help="any launcher option, e.g. -o partition=gpu -o timelimit=2:00:00")
-
-CELL = _Parser(prog="%%distributed", add_help=False)
-CELL.add_argument("--ranks", default=None)
-CELL.add_argument("--timeout", type=_positive_float, default=None)
-CELL.add_argument("--rank0", action="store_true")
-CELL.add_argument("--setup", action="store_true", help="re-run this cell after %dist_restart")
-
-PULL = _Parser(prog="%dist_pull", add_help=False)
-PULL.add_argument("name")
-PULL.add_argument("--ranks", default=None)
+def _progress(message: str) -> None:
+    print(f"nbdist: {message}", flush=True)
 
 
 @magics_class
@@ -102,23 +73,48 @@ class DistMagics(Magics):
             )
         return _CURRENT
 
+    @magic_arguments()
+    @argument("-n", type=positive_int, default=None, metavar="N", help="number of ranks")
+    @argument("--backend", choices=list(BACKENDS), default="auto")
+    @argument("--gpus-per-rank", type=int, default=1, metavar="K", help="GPUs each rank owns")
+    @argument("--threads", type=positive_int, default=None, metavar="T", help="CPU threads per rank")
+    @argument("--timeout", type=positive_seconds, default=None, metavar="S",
+              help="default deadline for every %%%%distributed cell")
+    @argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local",
+              help="how ipyparallel starts the engines")
+    @argument("--profile", default=None, metavar="P",
+              help="use the engines of a cluster already running in this ipyparallel profile")
+    @argument("--master-addr", default=None, metavar="ADDR",
+              help="rendezvous address (default: rank 0's)")
+    @argument("--interface", default=None, metavar="IFACE",
+              help="network interface the ranks talk over (GLOO/NCCL_SOCKET_IFNAME)")
+    @argument("--hosts", default=None, metavar="H", help="ssh/mpi: host1,host2 or host1*4,host2*4")
+    @argument("--mpi-args", default=None, metavar="A",
+              help="extra mpiexec arguments (one quoted string)")
+    @argument("--curve", action="store_true", help="encrypt ipyparallel traffic (CurveZMQ)")
+    @argument("-o", "--launcher-option", action="append", default=[], metavar="KEY=VALUE",
+              help="any launcher option, e.g. -o partition=gpu -o timelimit=2:00:00")
     @line_magic
     def dist_start(self, line: str) -> None:
-        """%dist_start [-n N] [--backend auto|nccl|gloo] [--gpus-per-rank K] [--threads T] [--timeout S]
-        [--launcher local|mpi|slurm|ssh] [--hosts H] [--mpi-args A] [-o KEY=VALUE ...] [--curve]
-        [--profile P] [--master-addr ADDR] [--interface IFACE]"""
+        """Start the ranks: engines, rank table, devices and one process group, checked by a
+        first all_reduce."""
         global _CURRENT
-        args = _parse(START, line)
+        args = _parse(self.dist_start, line)
         if _CURRENT is not None and _CURRENT.running:
             print("nbdist: a cluster is already running; not starting a second one "
                   "(use %dist_stop first, or %dist_restart)")
             print(_CURRENT.status())
             return
         config = DEFAULT if args.timeout is None else DEFAULT.replace(cell_timeout=args.timeout)
+        with _as_usage_error():
+            launch = launcher_kwargs(
+                launcher=args.launcher, profile=args.profile, master_addr=args.master_addr,
+                interface=args.interface, hosts=args.hosts, mpi_args=args.mpi_args,
+                curve=args.curve, launcher_options=args.launcher_option)
         try:
             cluster = Cluster(n=args.n, backend=args.backend, gpus_per_rank=args.gpus_per_rank,
-                              threads=args.threads, config=config, **_launcher_kwargs(args))
-            cluster.start(progress=lambda msg: print(f"nbdist: {msg}", flush=True))
+                              threads=args.threads, config=config, **launch)
+            cluster.start(progress=_progress)
         except NbdistError as exc:
             raise UsageError(f"%dist_start failed: {exc}\nNothing is left running.") from None
         _CURRENT = cluster
@@ -127,34 +123,63 @@ class DistMagics(Magics):
               f"{cluster.start_seconds:.1f} s; first all_reduce ok on every rank")
         print(status.table())
 
+    @magic_arguments(name="%distributed")  # shown with magic_arguments' own "%": %%distributed
+    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
+    @argument("--timeout", type=positive_seconds, default=None, metavar="S",
+              help="deadline for this cell")
+    @argument("--rank0", action="store_true", help="show only rank 0's output")
+    @argument("--setup", action="store_true", help="re-run this cell after %%dist_restart")
     @cell_magic
     def distributed(self, line: str, cell: str) -> None:
-        """%%distributed [--ranks 0,2-3] [--timeout S] [--rank0] [--setup]"""
-        args = _parse(CELL, line)
+        """Run the cell on the ranks; output streams live per rank."""
+        args = _parse(self.distributed, line)
         cluster = self._cluster()
-        ranks = None if args.ranks is None else _ranks(args.ranks, cluster.world_size)
+        ranks = _ranks(args.ranks, cluster.world_size)
         if args.setup:
             cluster.mark_setup_cell(cell)
         sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
         try:
-            result = cluster.run(cell, ranks=ranks, timeout=args.timeout, sink=sink)
-        except NbdistError as exc:
-            raise UsageError(str(exc)) from None
+            with _as_usage_error():
+                result = cluster.run(cell, ranks=ranks, timeout=args.timeout, sink=sink)
         finally:
             # even when the cell failed or was interrupted: a live widget view left in the saved
             # output would read "model not found" once the kernel is gone
-            sink.flush()
-            if sink.dashboard is not None and hasattr(sink.dashboard, "finalize"):
-                try:
-                    sink.dashboard.finalize()
-                except Exception:
-                    pass
+            _close_output(sink)
+        self._show_result(result, sink)
+
+    def _show_result(self, result: CellResult, sink: NotebookSink) -> None:
+        """Errors raise (root causes first); otherwise each rank's value, then what nbdist did."""
         self.shell.user_ns["_dist_result"] = result
         if result.errors:
             result.raise_for_errors()
         sink.show_values(result)
         for action in result.actions:
             print(f"nbdist: {action}")
+
+    @magic_arguments()
+    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
+    @argument("--timeout", type=positive_seconds, default=None, metavar="S",
+              help="deadline for the script")
+    @argument("--rank0", action="store_true", help="show only rank 0's output")
+    @argument("script", help="the torchrun script, run unchanged on every rank as __main__")
+    @argument("args", nargs=argparse.REMAINDER, help="its own arguments (its sys.argv[1:])")
+    @line_magic
+    def dist_run(self, line: str) -> None:
+        """Run an existing torchrun script on the ranks, unchanged: as __main__, with its own
+        sys.argv and torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, ...); its
+        init/destroy_process_group work as under torchrun; sys.exit(0) is success. Like %run -i,
+        it runs in each rank's namespace, so its globals are there for the next cell."""
+        args = _parse(self.dist_run, line)
+        cluster = self._cluster()
+        ranks = _ranks(args.ranks, cluster.world_size)
+        sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
+        try:
+            with _as_usage_error():
+                result = cluster.run_script(args.script, args.args, ranks=ranks,
+                                            timeout=args.timeout, sink=sink)
+        finally:
+            _close_output(sink)
+        self._show_result(result, sink)
 
     @line_magic
     def dist_status(self, line: str) -> Any:
@@ -185,7 +210,7 @@ class DistMagics(Magics):
         if cluster is None:
             raise UsageError("no cluster to restart: run %dist_start first")
         old = {p.spec.rank: p.pid for p in cluster.ranks}
-        cluster.restart(progress=lambda msg: print(f"nbdist: {msg}", flush=True))
+        cluster.restart(progress=_progress)
         print(f"nbdist: restarted {cluster.world_size} rank(s) in {cluster.start_seconds:.1f} s "
               f"(process group generation {cluster.generation}; old PIDs {sorted(old.values())})")
         print(cluster.status().table())
@@ -195,84 +220,59 @@ class DistMagics(Magics):
         """%dist_dashboard: show the live per-rank memory and metrics dashboard."""
         return self._cluster().dashboard()
 
+    @magic_arguments()
+    @argument("items", nargs="*", metavar="NAME|name=expr",
+              help="a notebook variable, or a name bound to an expression's value")
     @line_magic
     def dist_push(self, line: str) -> None:
-        """%dist_push NAME [NAME ...] | %dist_push name=expr: send values to every rank."""
+        """Send values to every rank (tensors land on each rank's device)."""
         cluster = self._cluster()
-        if not line.strip():
-            raise UsageError("%dist_push needs names (x y) or name=expression")
-        values: dict[str, Any] = {}
-        for item in shlex.split(line):
-            if "=" in item:
-                name, expr = item.split("=", 1)
-                values[name.strip()] = self.shell.ev(expr)
-            elif item in self.shell.user_ns:
-                values[item] = self.shell.user_ns[item]
-            else:
-                raise UsageError(f"%dist_push: {item!r} is not defined in the notebook")
-        for name in values:
-            if not name.isidentifier():
-                raise UsageError(f"%dist_push: {name!r} is not a valid name")
+        args = _parse(self.dist_push, line)
+        with _as_usage_error():
+            values = push_values(args.items, self.shell.user_ns, self.shell.ev)
         cluster.push(values)
         _SESSION_LOG.record_push(values)
         print(f"nbdist: pushed {', '.join(values)} to {cluster.world_size} rank(s)")
 
+    @magic_arguments()
+    @argument("name", help="the variable to fetch from the ranks")
+    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
     @line_magic
     def dist_pull(self, line: str) -> dict[int, Any]:
-        """%dist_pull NAME [--ranks R]: {rank: value} (tensors arrive on CPU)."""
-        args = _parse(PULL, line)
+        """{rank: value} of a variable on the ranks (tensors arrive on CPU)."""
+        args = _parse(self.dist_pull, line)
         cluster = self._cluster()
-        ranks = None if args.ranks is None else _ranks(args.ranks, cluster.world_size)
-        try:
+        ranks = _ranks(args.ranks, cluster.world_size)
+        with _as_usage_error():
             return cluster.pull(args.name, ranks=ranks)
-        except NbdistError as exc:
-            raise UsageError(str(exc)) from None
 
+    @magic_arguments()
+    @argument("file", help="the script to write")
+    @argument("--notebook", default=None, metavar="NB.ipynb",
+              help="export this saved notebook's cells (document order), not this session's")
+    @argument("--nproc", type=positive_int, default=None, metavar="N",
+              help="ranks the script is written for (default: the running cluster's, else 2)")
     @line_magic
     def dist_export(self, line: str) -> None:
-        """%dist_export FILE [--notebook NB.ipynb] [--nproc N]: the %%distributed cells and pushed
-        values as a torchrun script (from this session's history, or from a saved notebook in
-        document order)."""
-        from nbdist import export
+        """The %%distributed cells and pushed values as a torchrun script (from this session's
+        history, or from a saved notebook in document order)."""
+        args = _parse(self.dist_export, line)
+        running = _CURRENT if _CURRENT is not None and _CURRENT.running else None
+        with _as_usage_error("%dist_export: ", OSError):
+            report = export_session(
+                args.file, self.shell.history_manager.input_hist_raw, _SESSION_LOG,
+                notebook=args.notebook, nproc=args.nproc,
+                world_size=running.world_size if running else None,
+                threads=running.requested_threads if running else None)
+        for message in report.summary():
+            print(f"nbdist: {message}")
 
-        parser = _Parser(prog="%dist_export", add_help=False)
-        parser.add_argument("file")
-        parser.add_argument("--notebook", default=None)
-        parser.add_argument("--nproc", type=_positive_int, default=None)
-        args = _parse(parser, line)
-        running = _CURRENT is not None and _CURRENT.running
-        world_size = _CURRENT.world_size if running and _CURRENT is not None else None
-        threads = _CURRENT.requested_threads if running and _CURRENT is not None else None
-        nproc = args.nproc or world_size or 2
-        try:
-            if args.notebook:
-                sources = export.cells_from_notebook(args.notebook)
-                log = export.notebook_log(args.notebook)
-            else:
-                sources = export.cells_from_history(self.shell.history_manager.input_hist_raw)
-                log = _SESSION_LOG
-            steps = export.script_steps(sources, world_size, log)
-            path = export.write_script(args.file, steps, nproc=nproc, threads=threads)
-        except (NbdistError, OSError) as exc:
-            raise UsageError(f"%dist_export: {exc}") from None
-        cells = [s for s in steps if isinstance(s, export.DistributedCell)]
-        failed = export.failed_cells(steps)
-        print(f"nbdist: wrote {len(cells) - len(failed)} cell run(s) to {path}; run it with "
-              f"torchrun --nproc-per-node {nproc} {path}")
-        if failed:
-            print(f"nbdist: left out {len(failed)} cell(s) that failed in the notebook "
-                  f"({', '.join(c.label for c in failed)}); they are in the script as comments")
-        missing = export.placeholders(steps)
-        if missing:
-            listed = "; ".join(f"{v.name} ({v.description})" for v in missing)
-            print(f"nbdist: warning: {len(missing)} pushed value(s) cannot be written into the script: "
-                  f"{listed}. The script raises NotImplementedError where each was pushed: "
-                  "define them there.")
-
+    @magic_arguments()
+    @argument("state", nargs="?", default="", metavar="on|off")
     @line_magic
     def autodist(self, line: str) -> None:
-        """%autodist on|off: send every following cell to the ranks."""
-        choice = line.strip().lower()
+        """Send every following cell to the ranks (on), or stop doing so (off)."""
+        choice = _parse(self.autodist, line).state.lower()
         if choice not in ("on", "off"):
             raise UsageError("%autodist takes on or off")
         transformers = self.shell.input_transformers_cleanup
@@ -286,34 +286,22 @@ class DistMagics(Magics):
             print("nbdist: autodist off")
 
 
-def _launcher_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    """%dist_start's multi-host flags as Cluster keyword arguments (see nbdist.cluster.launchers)."""
-    options: dict[str, Any] = {}
-    for item in args.launcher_option:
-        if "=" not in item:
-            raise UsageError(f"%dist_start -o {item!r}: write KEY=VALUE (e.g. -o partition=gpu)")
-        key, value = item.split("=", 1)
-        options[key.strip()] = value
-    if args.hosts:
-        options["hosts"] = args.hosts
-    if args.mpi_args:
-        options["mpi_args"] = args.mpi_args
-    if args.curve:
-        options["curve"] = True
-    kwargs: dict[str, Any] = {"master_addr": args.master_addr, "interface": args.interface}
-    if args.profile is not None:
-        kwargs["profile"] = args.profile
-    if args.launcher != "local" or options:
-        kwargs["launcher"] = args.launcher
-        kwargs["launcher_options"] = options
-    return kwargs
-
-
-def _ranks(text: str, world_size: int) -> list[int]:
-    try:
+def _ranks(text: str | None, world_size: int) -> list[int] | None:
+    """--ranks as a rank list (None: every rank)."""
+    if text is None:
+        return None
+    with _as_usage_error():
         return parse_ranks(text, world_size)
-    except NbdistError as exc:
-        raise UsageError(str(exc)) from None
+
+
+def _close_output(sink: NotebookSink) -> None:
+    sink.flush()
+    finalize = getattr(sink.dashboard, "finalize", None)
+    if finalize is not None:
+        try:
+            finalize()
+        except Exception:
+            pass  # a view that cannot freeze itself must not hide the cell's own outcome
 
 
 def _autodist_transform(lines: list[str]) -> list[str]:

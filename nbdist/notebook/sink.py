@@ -8,8 +8,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from nbdist.cluster.ranks import format_ranks
 from nbdist.cells.result import CellResult
+from nbdist.cluster.ranks import format_ranks
 
 _COLORS = ("34", "31", "32", "35", "36", "33", "94", "91")
 

@@ -5,58 +5,20 @@ One call on CPU and GPU alike; each strategy's options live in its own module (d
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nbdist.strategies._common import OptimizerArg, StrategyOptionError
+from nbdist.strategies.base import Strategy
+from nbdist.strategies.prepared import Prepared
+from nbdist.strategies.registry import FAMILIES, STRATEGY_NAMES, get_strategy, resolve
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
     from torch import nn
 
-__all__ = ["Prepared", "StrategyOptionError", "prepare", "STRATEGIES"]
+__all__ = ["Prepared", "STRATEGIES", "STRATEGY_NAMES", "Strategy", "StrategyOptionError", "get_strategy", "prepare"]
 
-STRATEGIES = ("ddp", "fsdp", "deepspeed")
-
-
-@dataclass
-class Prepared:
-    """What :func:`prepare` returns; unpacks as ``model, optimizer = nbdist.prepare(...)``."""
-
-    model: Any
-    """The wrapped model: a DDP module, the FSDP-sharded module itself, or a DeepSpeedEngine."""
-
-    optimizer: Any
-    """The optimizer to step (rebound to sharded params for FSDP; DeepSpeed's wrapper for ZeRO)."""
-
-    strategy: str
-    """"ddp", "fsdp" or "deepspeed"."""
-
-    options: dict[str, Any] = field(default_factory=dict)
-    """The options prepare() was given, for display and for checkpoint metadata."""
-
-    def __iter__(self):  # type: ignore[no-untyped-def]
-        return iter((self.model, self.optimizer))
-
-    def __repr__(self) -> str:  # the model's own repr can run to pages; this fits a cell output
-        return (f"Prepared(strategy={self.strategy!r}, model={type(self.model).__name__}, "
-                f"optimizer={type(self.optimizer).__name__}, options={self.options!r})")
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, or ``engine.backward(loss)`` under DeepSpeed (it scales and reduces)."""
-        if self.strategy == "deepspeed":
-            self.model.backward(loss)
-        else:
-            loss.backward()
-
-    def step(self) -> None:
-        """Optimizer step and gradient reset, the way the strategy wants it."""
-        if self.strategy == "deepspeed":
-            self.model.step()  # steps, zeroes grads and advances DeepSpeed's own counters
-        elif self.optimizer is not None:
-            self.optimizer.step()
-            self.optimizer.zero_grad(set_to_none=True)
+STRATEGIES = FAMILIES
+"""The libraries prepare() wraps with: ddp, fsdp, deepspeed (each name in STRATEGY_NAMES maps to one)."""
 
 
 def prepare(
@@ -66,6 +28,9 @@ def prepare(
     **options: Any,
 ) -> Prepared:
     """Wrap ``model`` (and ``optimizer``) for data-parallel training across the process group.
+
+    ``strategy`` is ddp, fsdp (FULL_SHARD), fsdp_shard_grad_op, zero0-zero3 (DeepSpeed; the same
+    names ``estimate_memory`` takes), or deepspeed with ``zero_stage=N``.
 
     ``optimizer`` may be an optimizer built on ``model.parameters()``, a factory
     ``params -> optimizer`` (preferred with FSDP, which replaces the parameters), or None.
@@ -84,15 +49,12 @@ def prepare(
     """
     import torch.distributed as dist
 
-    name = strategy.lower()
-    if name not in STRATEGIES:
-        hint = " (ZeRO stages: strategy='deepspeed', zero_stage=N)" if name.startswith("zero") else ""
-        raise StrategyOptionError(f"strategy={strategy!r}: use one of {', '.join(STRATEGIES)}{hint}")
+    handler, options = resolve(strategy, options)
     if not (dist.is_available() and dist.is_initialized()):
         raise StrategyOptionError(
             "prepare() runs inside a rank of a started cluster (torch.distributed is not initialised "
             "here): call it in a %%distributed cell after %dist_start"
         )
-    module = importlib.import_module(f"nbdist.strategies.{name}")
-    wrapped, wrapped_optimizer = module.wrap(model, optimizer, **options)
-    return Prepared(model=wrapped, optimizer=wrapped_optimizer, strategy=name, options=dict(options))
+    wrapped, wrapped_optimizer = handler.wrap(model, optimizer, options)
+    return Prepared(model=wrapped, optimizer=wrapped_optimizer, strategy=handler.family, options=dict(options),
+                    handler=handler)

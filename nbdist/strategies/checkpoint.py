@@ -1,5 +1,5 @@
-"""Distributed checkpoints: torch.distributed.checkpoint (DCP) for DDP/FSDP, DeepSpeed's own for
-DeepSpeed, and consolidation of either into one full state dict a single process can load.
+"""Distributed checkpoints: each strategy saves in its own format (DCP for DDP/FSDP, DeepSpeed's own
+for ZeRO) beside a marker saying which, and either consolidates into one full state dict.
 """
 
 from __future__ import annotations
@@ -7,6 +7,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 from typing import Any
+
+from nbdist.strategies.base import Strategy
+from nbdist.strategies.prepared import Prepared
+from nbdist.strategies.registry import strategy_of
 
 MARKER = "nbdist_checkpoint.json"
 """Written by rank 0 beside the shards: which format, strategy and world size saved them."""
@@ -23,18 +27,12 @@ def save_checkpoint(path: str | Path, model: Any, optimizer: Any = None) -> Path
     """
     import torch.distributed as dist
 
-    model, optimizer = _unpack(model, optimizer)
+    model, optimizer, strategy = _unpack(model, optimizer)
     target = Path(path)
-    if _is_deepspeed(model):
-        model.save_checkpoint(str(target))
-        fmt = "deepspeed"
-    else:
-        import torch.distributed.checkpoint as dcp
-
-        dcp.save(_dcp_state(model, optimizer), checkpoint_id=str(target))
-        fmt = "dcp"
+    strategy.save_state(target, model, optimizer)
     if _rank() == 0:
-        meta = {"format": fmt, "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+        meta = {"format": strategy.checkpoint_format, "strategy": strategy.name,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
                 "has_optimizer": optimizer is not None}
         (target / MARKER).write_text(json.dumps(meta))
     _barrier()
@@ -47,27 +45,9 @@ def load_checkpoint(path: str | Path, model: Any, optimizer: Any = None) -> None
     DCP checkpoints reshard on load, so the world size or even the strategy (DDP <-> FSDP) may
     differ from the one that saved; DeepSpeed checkpoints load into a DeepSpeed engine.
     """
-    model, optimizer = _unpack(model, optimizer)
+    model, optimizer, strategy = _unpack(model, optimizer)
     source = Path(path)
-    fmt = _format(source)
-    if _is_deepspeed(model):
-        if fmt != "deepspeed":
-            raise ValueError(f"{source} holds a {fmt} checkpoint; load it into a DDP/FSDP model, or "
-                             "consolidate it and load the full state dict into the DeepSpeed engine's module")
-        loaded, _ = model.load_checkpoint(str(source), load_optimizer_states=optimizer is not None)
-        if loaded is None:
-            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {source}")
-        return
-    if fmt != "dcp":
-        raise ValueError(f"{source} holds a DeepSpeed checkpoint: load it with strategy='deepspeed', or "
-                         "consolidate_checkpoint() it and load the full state dict")
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_state_dict
-
-    state = _dcp_state(model, optimizer)
-    dcp.load(state, checkpoint_id=str(source))
-    set_state_dict(model, optimizer if optimizer is not None else [],
-                   model_state_dict=state["model"], optim_state_dict=state.get("optimizer", {}))
+    strategy.load_state(source, model, optimizer, _format(source))
 
 
 def consolidate_checkpoint(path: str | Path, output: str | Path | None = None, *,
@@ -95,17 +75,6 @@ def consolidate_checkpoint(path: str | Path, output: str | Path | None = None, *
         torch.save(full, target)
     _barrier()
     return target
-
-
-def _dcp_state(model: Any, optimizer: Any) -> dict[str, Any]:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    # get_state_dict strips wrapper prefixes (DDP's "module.") so DDP and FSDP checkpoints match.
-    model_sd, optim_sd = get_state_dict(model, optimizer if optimizer is not None else [])
-    state = {"model": model_sd}
-    if optimizer is not None:
-        state["optimizer"] = optim_sd
-    return state
 
 
 def _dcp_full_state(source: Path) -> dict[str, Any]:
@@ -145,16 +114,12 @@ def _format(source: Path) -> str:
     raise FileNotFoundError(f"no checkpoint in {source} (neither DCP .metadata nor DeepSpeed 'latest')")
 
 
-def _unpack(model: Any, optimizer: Any) -> tuple[Any, Any]:
-    from nbdist.strategies import Prepared
-
+def _unpack(model: Any, optimizer: Any) -> tuple[Any, Any, Strategy]:
+    """(model, optimizer, strategy) from a Prepared result or a bare wrapped model."""
     if isinstance(model, Prepared):
-        return model.model, optimizer if optimizer is not None else model.optimizer
-    return model, optimizer
-
-
-def _is_deepspeed(model: Any) -> bool:
-    return type(model).__module__.startswith("deepspeed") and hasattr(model, "save_checkpoint")
+        assert model.handler is not None  # Prepared fills it in on construction
+        return model.model, optimizer if optimizer is not None else model.optimizer, model.handler
+    return model, optimizer, strategy_of(model)
 
 
 def _rank() -> int:

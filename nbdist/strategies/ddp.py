@@ -19,6 +19,8 @@ from nbdist.strategies._common import (
     rebind_optimizer,
     reject,
 )
+from nbdist.strategies.base import Sharding
+from nbdist.strategies.torch_native import TorchNativeStrategy
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -79,3 +81,16 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.
         **extra,
     )
     return wrapped, rebind_optimizer(optimizer, names, wrapped.module)
+
+
+@dataclass(frozen=True)
+class DDPStrategy(TorchNativeStrategy):
+    """A full replica per rank: nothing sharded, 16Ψ bytes of model states with mixed-precision Adam."""
+
+    family: str = "ddp"
+
+    def wrap(self, model: Any, optimizer: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+        return wrap(model, optimizer, **options)
+
+
+DDP = DDPStrategy("ddp", Sharding(params=False, grads=False, optimizer=False))

@@ -7,6 +7,7 @@ untouched. DeepSpeed is an optional extra and is imported only here, on first us
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import warnings
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from nbdist.strategies._common import (
     rank_device,
     reject,
 )
+from nbdist.strategies.base import Sharding, adam_bytes
 
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
@@ -126,8 +128,7 @@ def import_deepspeed() -> Any:
 
 def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000) -> dict[str, Any]:
     """The DeepSpeed config for the shorthand options, after checking they fit together."""
-    if opts.zero_stage not in (0, 1, 2, 3):
-        raise StrategyOptionError(f"zero_stage={opts.zero_stage!r}: use 0, 1, 2 or 3")
+    _check_stage(opts.zero_stage)
     # ZeRO allocates its reduce bucket whole (5e8 elements by default: 2 GB in fp32); a bucket
     # larger than the model only wastes memory.
     zero: dict[str, Any] = {"stage": opts.zero_stage, "reduce_bucket_size": int(min(5e8, max(param_count, 1)))}
@@ -222,3 +223,86 @@ def _cpu_adam_for_offload(optimizer: Any) -> Any:
         lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
         adamw_mode=type(optimizer) is torch.optim.AdamW,
     )
+
+
+@dataclass(frozen=True)
+class ZeroStrategy:
+    """One ZeRO stage under DeepSpeed; its engine scales, reduces, steps and checkpoints itself."""
+
+    name: str
+    sharding: Sharding
+    stage: int
+    family: str = "deepspeed"
+    checkpoint_format: str = "deepspeed"
+    engine_accumulates: bool = True
+
+    def wrap(self, model: Any, optimizer: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+        return wrap(model, optimizer, **options)
+
+    def backward(self, model: Any, loss: Any) -> None:
+        model.backward(loss)  # scales for accumulation and reduces into ZeRO's partitions
+
+    def step(self, model: Any, optimizer: Any) -> None:
+        model.step()  # steps, zeroes grads and advances DeepSpeed's own counters
+
+    def bytes_per_param(self, precision: str) -> tuple[float, float, float]:
+        # Stage 0 hands the torch optimizer through; ZeRO's optimizers keep an fp32 master partition.
+        return adam_bytes(precision, fp32_master=self.stage >= 1)
+
+    def save_state(self, path: Path, model: Any, optimizer: Any) -> None:
+        model.save_checkpoint(str(path))
+
+    def load_state(self, path: Path, model: Any, optimizer: Any, saved_format: str) -> None:
+        if saved_format != "deepspeed":
+            raise ValueError(f"{path} holds a {saved_format} checkpoint; load it into a DDP/FSDP model, or "
+                             "consolidate it and load the full state dict into the DeepSpeed engine's module")
+        loaded, _ = model.load_checkpoint(str(path), load_optimizer_states=optimizer is not None)
+        if loaded is None:
+            raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path}")
+
+    def release(self, model: Any) -> None:
+        destroy = getattr(model, "destroy", None)  # DeepSpeedEngine: drop hooks and buffers
+        if callable(destroy):
+            destroy()
+
+
+ZERO_STAGES = {
+    stage: ZeroStrategy(f"zero{stage}", Sharding(params=stage >= 3, grads=stage >= 2, optimizer=stage >= 1), stage)
+    for stage in (0, 1, 2, 3)
+}
+
+
+def strategy_for(name: str, options: dict[str, Any]) -> tuple[ZeroStrategy, dict[str, Any]]:
+    """``strategy="deepspeed"`` (the stage comes from zero_stage or the config) or ``"zeroN"``
+    (zero_stage=N is filled in), and the options that realise it."""
+    if name == "deepspeed":
+        stage = options.get("zero_stage")
+        if stage is None:
+            stage = _config_stage(options["config"]) if options.get("config") is not None else DeepSpeedOptions.zero_stage
+        return ZERO_STAGES[_check_stage(stage)], options
+    stage = int(name.removeprefix("zero"))
+    if options.get("config") is not None:
+        raise StrategyOptionError(f"strategy={name!r} sets the ZeRO stage; with config=... use "
+                                  "strategy='deepspeed' and put the stage in the config")
+    if options.get("zero_stage", stage) != stage:
+        raise StrategyOptionError(f"strategy={name!r} is ZeRO stage {stage} but zero_stage={options['zero_stage']!r}: "
+                                  "pass one of them")
+    return ZERO_STAGES[stage], {**options, "zero_stage": stage}
+
+
+def _check_stage(stage: Any) -> int:
+    if stage not in ZERO_STAGES:
+        raise StrategyOptionError(f"zero_stage={stage!r}: use 0, 1, 2 or 3")
+    return int(stage)
+
+
+def _config_stage(config: dict[str, Any] | str | Path) -> int:
+    """The ZeRO stage a user's config asks for (DeepSpeed's default is 0); 0 when unreadable,
+    since wrap() reports a missing file itself."""
+    if not isinstance(config, dict):
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, ValueError):
+            return 0
+    stage = config.get("zero_optimization", {}).get("stage", 0)
+    return stage if stage in ZERO_STAGES else 0

@@ -22,6 +22,8 @@ from nbdist.strategies._common import (
     rebind_optimizer,
     reject,
 )
+from nbdist.strategies.base import Sharding
+from nbdist.strategies.torch_native import TorchNativeStrategy
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -113,3 +115,35 @@ def _reshard_after_forward(opts: FSDPOptions) -> bool:
     if opts.sharding.lower() not in choices:
         raise StrategyOptionError(f"sharding={opts.sharding!r}: use 'full_shard' or 'shard_grad_op'")
     return choices[opts.sharding.lower()]
+
+
+@dataclass(frozen=True)
+class FSDPStrategy(TorchNativeStrategy):
+    """FSDP2: FULL_SHARD (~ZeRO-3) frees gathered params after forward; SHARD_GRAD_OP (~ZeRO-2)
+    keeps them until backward ends."""
+
+    family: str = "fsdp"
+
+    def wrap(self, model: Any, optimizer: Any, options: dict[str, Any]) -> tuple[Any, Any]:
+        return wrap(model, optimizer, **options)
+
+
+FSDP_FULL_SHARD = FSDPStrategy("fsdp", Sharding(params=True, grads=True, optimizer=True))
+# Gathered params live from forward to the end of backward, so at the peak they are not sharded.
+FSDP_SHARD_GRAD_OP = FSDPStrategy("fsdp_shard_grad_op", Sharding(params=False, grads=True, optimizer=True))
+
+_RESHARDING = ("reshard_after_forward", "sharding")
+
+
+def strategy_for(name: str, options: dict[str, Any]) -> tuple[FSDPStrategy, dict[str, Any]]:
+    """The FSDP strategy ``name`` plus ``options`` selects, and the options that realise it."""
+    given = {key: options[key] for key in _RESHARDING if key in options}
+    reshard = _reshard_after_forward(FSDPOptions(**given))
+    if name != FSDP_SHARD_GRAD_OP.name:
+        return (FSDP_FULL_SHARD if reshard else FSDP_SHARD_GRAD_OP), options
+    if given and reshard:
+        raise StrategyOptionError(
+            f"strategy='fsdp_shard_grad_op' keeps gathered parameters until backward, but {given} asks "
+            "for a full shard: drop it, or use strategy='fsdp'"
+        )
+    return FSDP_SHARD_GRAD_OP, options if given else {**options, "reshard_after_forward": False}

@@ -15,15 +15,14 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nbdist.config import NbdistConfig
+
 Provider = Callable[[], Any]
 
 TELEMETRY_KEY = "nbdist"
 
-START_DELAY = 0.05
-"""A cell's start payload leaves only if the cell still runs this many seconds after it began."""
-
-LOG_SPACING = 0.1
-"""Least seconds between two publishes prompted by ``log()``: a fast loop's records go out in
+LOG_SPACING = NbdistConfig.telemetry_log_spacing
+"""The default least spacing of publishes prompted by ``log()``: a fast loop's records go out in
 batches (≤ 10 light payloads/s per rank, each ≈ 1 ms of CPU in the controller and the notebook)
 while a logged value still reaches the widget well within B6's 250 ms (the widget syncs at 5 Hz)."""
 
@@ -35,10 +34,12 @@ class TelemetryAgent:
         interval: float,
         publish: Callable[[dict[str, Any]], None],
         log_spacing: float = LOG_SPACING,
+        start_delay: float = NbdistConfig.telemetry_start_delay,
     ) -> None:
         self.rank = rank
         self.interval = interval
         self.log_spacing = min(log_spacing, interval)
+        self.start_delay = start_delay
         self._publish = publish
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
@@ -82,12 +83,12 @@ class TelemetryAgent:
         self.cell_id += 1
         self.cell_running = True
         # the start sample is taken now (it resets the cell's peak) but sent by the thread only
-        # if the cell still runs START_DELAY later: a short cell then costs one message (its
+        # if the cell still runs start_delay later: a short cell then costs one message (its
         # cell_end payload says everything), not two -- about 2 ms of every no-op cell
         payload = self.collect("cell_start", only=("memory",))
         with self._publish_lock:
             self._start_payload = payload
-            self._start_due = time.monotonic() + START_DELAY
+            self._start_due = time.monotonic() + self.start_delay
         self.wake.set()
 
     def cell_finished(self) -> None:
@@ -186,12 +187,8 @@ class TelemetryAgent:
 _AGENT: TelemetryAgent | None = None
 
 
-def current_agent() -> TelemetryAgent | None:
-    """The agent of this rank, or None outside an nbdist engine."""
-    return _AGENT
-
-
 def install_agent(agent: TelemetryAgent) -> TelemetryAgent:
+    """Make `agent` this rank's one telemetry thread, stopping the one a previous bootstrap left."""
     global _AGENT
     if _AGENT is not None:
         _AGENT.stop()

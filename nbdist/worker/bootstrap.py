@@ -12,14 +12,17 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.worker import collectives, process_group, release, tracebacks
+from nbdist.worker import collectives, net, process_group, release, tracebacks
 from nbdist.worker.agent import TelemetryAgent, install_agent
+from nbdist.worker.memory_sampler import install_memory_sampler
+from nbdist.worker.metrics import install_metrics
 
 
 @dataclass
 class RankRuntime:
     spec: dict[str, Any] = field(default_factory=dict)
     generation: int = -1
+    pg_timeout: float = 60.0
     agent: TelemetryAgent | None = None
     hooks_installed: bool = False
 
@@ -35,10 +38,10 @@ def probe(peer: str | None = None) -> dict[str, Any]:
 
     me = psutil.Process()
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    route_address, route_interface = _route_to(peer) if peer else (None, None)
+    route_address, route_interface = net.route_to(peer) if peer else (None, None)
     return {
-        "boot_id": _boot_id(),
-        "addresses": _ipv4_addresses(),
+        "boot_id": net.boot_id(),
+        "addresses": net.ipv4_addresses(),
         "route_address": route_address,
         "route_interface": route_interface,
         "host": socket.gethostname(),
@@ -53,55 +56,37 @@ def probe(peer: str | None = None) -> dict[str, Any]:
     }
 
 
-def _boot_id() -> str:
-    """Differs between machines (same for network namespaces of one kernel)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return ""
-
-
-def _ipv4_addresses() -> dict[str, list[str]]:
-    import psutil
-
-    return {
-        name: [a.address for a in addrs if a.family == socket.AF_INET]
-        for name, addrs in psutil.net_if_addrs().items()
-        if any(a.family == socket.AF_INET for a in addrs)
-    }
-
-
-def _route_to(peer: str) -> tuple[str | None, str | None]:
-    """The local address (and its interface) the kernel uses to reach `peer`; no packet is sent."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((socket.gethostbyname(peer), 9))
-            address = str(s.getsockname()[0])
-    except OSError:
-        return None, None
-    for name, addrs in _ipv4_addresses().items():
-        if address in addrs:
-            return address, name
-    return address, None
-
-
-def reserve_port(host: str) -> int:
-    """A free TCP port on this rank's `host` address (runs on rank 0: the store listens here)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
 def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     """Environment, threads, device, notebook names, hooks, telemetry, then the process group."""
-    import torch
-    import torch.distributed as dist
     from IPython import get_ipython
 
     RUNTIME.spec = dict(spec)
-    env = dict(options["env"])
-    os.environ.update(env)
+    threads = _apply_environment(options)
+    device = _pin_device(spec, options)
+    shell = get_ipython()
+    _define_names(shell, spec, device)
+    _install_hooks(shell)
+    RUNTIME.agent = _start_telemetry(shell, spec["rank"], options, device)
+
+    RUNTIME.pg_timeout = float(options["pg_timeout"])
+    init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
+                            options.get("store_path"))
+    return {
+        "rank": spec["rank"],
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "device": str(device),
+        "backend": spec["backend"],
+        "threads": threads,
+        "pg_seconds": init["seconds"],
+    }
+
+
+def _apply_environment(options: dict[str, Any]) -> int:
+    """The rank's environment, thread count and working directory; returns the thread count."""
+    import torch
+
+    os.environ.update(dict(options["env"]))
     threads = int(options["threads"])
     os.environ["OMP_NUM_THREADS"] = str(threads)
     torch.set_num_threads(threads)
@@ -109,6 +94,12 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         os.chdir(options["cwd"])
         if options["cwd"] not in sys.path:
             sys.path.insert(0, options["cwd"])
+    return threads
+
+
+def _pin_device(spec: dict[str, Any], options: dict[str, Any]) -> Any:
+    """This rank's device (its first GPU, else the CPU) and the interface its sockets use."""
+    import torch
 
     gpus = list(spec["gpus"])
     if gpus:
@@ -122,9 +113,15 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         if options.get("interface_env") and options["interface_env"].get(name):
             os.environ[name] = options["interface_env"][name]
+    return device
+
+
+def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
+    """The names every distributed cell can use without defining them."""
+    import torch
+    import torch.distributed as dist
 
     collectives.install()
-    shell = get_ipython()
     shell.user_ns.update(
         rank=spec["rank"],
         world_size=spec["world_size"],
@@ -133,52 +130,41 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         dist=dist,
         torch=torch,
     )
-    _install_hooks(shell)
-    agent = install_agent(
-        TelemetryAgent(spec["rank"], float(options["telemetry_interval"]), shell.data_pub.publish_data)
-    )
-    agent.register("where", _where)
-    _install_optional_telemetry(agent, device)
-    agent.start()
-    RUNTIME.agent = agent
 
-    init = process_group.init_generation(
+
+def _start_telemetry(shell: Any, rank: int, options: dict[str, Any], device: Any) -> TelemetryAgent:
+    agent = install_agent(TelemetryAgent(
+        rank, float(options["telemetry_interval"]), shell.data_pub.publish_data,
+        log_spacing=float(options["telemetry_log_spacing"]),
+        start_delay=float(options["telemetry_start_delay"]),
+    ))
+    agent.register("where", _where)
+    # Both providers are part of nbdist and never raise: one that cannot work on this rank
+    # records why in agent.provider_errors, and the rank comes up without it. The genuinely
+    # optional piece (pynvml, for GPU memory beyond torch's allocator) is the sampler's to skip.
+    install_memory_sampler(agent, device)
+    install_metrics(agent)
+    agent.start()
+    return agent
+
+
+def _join_generation(generation: int, master_addr: str, port: int,
+                     store_path: str | None) -> dict[str, Any]:
+    spec = RUNTIME.spec
+    gpus = list(spec["gpus"])
+    result = process_group.init_generation(
         backend=spec["backend"],
-        master_addr=options["master_addr"],
-        port=int(options["port"]),
+        master_addr=master_addr,
+        port=port,
         rank=spec["rank"],
         world_size=spec["world_size"],
-        timeout_s=float(options["pg_timeout"]),
+        timeout_s=RUNTIME.pg_timeout,
         gpu=gpus[0] if gpus else None,
-        generation=int(options["generation"]),
-        store_path=options.get("store_path"),
+        generation=generation,
+        store_path=store_path,
     )
-    RUNTIME.generation = int(options["generation"])
-    return {
-        "rank": spec["rank"],
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": str(device),
-        "backend": spec["backend"],
-        "threads": threads,
-        "pg_seconds": init["seconds"],
-    }
-
-
-def _install_optional_telemetry(agent: TelemetryAgent, device: Any) -> None:
-    # the dashboard's rank-side parts register their own providers when they are present
-    try:
-        from nbdist.worker.memory_sampler import install_memory_sampler
-
-        install_memory_sampler(agent, device)
-    except ImportError:
-        pass
-    try:
-        from nbdist.worker.metrics import install_metrics
-
-        install_metrics(agent)
-    except ImportError:
-        pass
+    RUNTIME.generation = generation
+    return result
 
 
 def _where() -> dict[str, Any] | None:
@@ -216,22 +202,8 @@ def rebuild_process_group(
     port: int, generation: int, master_addr: str, store_path: str | None = None
 ) -> dict[str, Any]:
     """Tear the current group down and join a new generation on a fresh port."""
-    spec = RUNTIME.spec
     process_group.teardown()
-    gpus = list(spec["gpus"])
-    result = process_group.init_generation(
-        backend=spec["backend"],
-        master_addr=master_addr,
-        port=port,
-        rank=spec["rank"],
-        world_size=spec["world_size"],
-        timeout_s=float(os.environ.get("NBDIST_PG_TIMEOUT", "60")),
-        gpu=gpus[0] if gpus else None,
-        generation=generation,
-        store_path=store_path,
-    )
-    RUNTIME.generation = generation
-    return result
+    return _join_generation(generation, master_addr, port, store_path)
 
 
 def teardown_process_group() -> bool:
@@ -289,10 +261,6 @@ def _to_device(value: Any, device: Any) -> Any:
     if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
         return type(value)(_to_device(v, device) for v in value)
     return value
-
-
-def set_env(values: dict[str, str]) -> None:
-    os.environ.update(values)
 
 
 def shutdown_rank() -> None:

@@ -1,0 +1,177 @@
+"""The fault policy: every decision nbdist takes after a rank errs, dies, hangs past the deadline
+or is interrupted — tear the process group down now, run the interrupt ladder, rebuild after.
+
+A group is torn down only when a peer is really blocked on it: every model that holds the group
+(DDP, FSDP) dies with it, so an ordinary error that every rank raised (a typo) never touches it.
+Measured on gloo: tearing a failed rank's group down releases peers blocked on it at once
+("Connection closed by peer"). Ranks still busy after that go down the interrupt ladder
+(`nbdist.cells.ladder`). After the cell, a broken group is rebuilt as a new generation on a fresh
+store (gloo), or the user is told to restart (NCCL: PyTorch advises against recovering in-process).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nbdist.cells.hang_report import hang_report
+from nbdist.cells.ladder import InterruptLadder
+from nbdist.cells.rank_errors import classify_errors
+from nbdist.cells.running import RunningCell, finished_with_error
+from nbdist.cells.whereabouts import blocked_in_collective, cell_reports, telemetry_time
+from nbdist.cluster.ranks import format_ranks
+
+
+class FaultPolicy:
+    """One per running cell. The runner calls `while_waiting` on every turn of its wait loop,
+    `on_deadline`, `on_interrupt` and, once the results are in, `after_cell`."""
+
+    def __init__(self, run: RunningCell) -> None:
+        self.run = run
+        self.cluster = run.cluster
+        self.config = run.config
+        self.first_fault_at: float | None = None
+        self.first_fault_wall = 0.0
+        """time.time() of the first fault: telemetry older than this cannot show who is blocked."""
+        self.torn_down = False
+        """Process groups were torn down or made to fail during this cell: rebuild after it."""
+        self.ladder_ran = False
+        self.killed: dict[int, str] = {}
+        """rank -> why nbdist killed its engine (its death detail)."""
+        self.hang_report: list[str] = []
+
+    # ---------------------------------------------------------------- while the cell runs
+    def while_waiting(self) -> None:
+        """Release peers of a failed rank; once the fault has settled, ladder what stays stuck."""
+        run = self.run
+        if not run.pending:
+            return
+        failed_idle = [
+            r for r in run.targets
+            if r not in run.pending and self.cluster.ranks[r].state == "alive" and finished_with_error(run, r)
+        ]
+        dead = [r for r in run.targets if self.cluster.ranks[r].state == "dead"]
+        if not failed_idle and not dead:
+            return
+        now = time.perf_counter()
+        if self.first_fault_at is None:
+            self.first_fault_at = now
+            self.first_fault_wall = time.time()
+        if self.should_tear_down_now(failed_idle):
+            self._tear_down_failed(failed_idle)
+        if self.should_run_ladder(now):
+            self._climb_ladder(sorted(run.pending), reason="fault")
+
+    def should_tear_down_now(self, failed_idle: list[int]) -> bool:
+        """Tear down the process group on the ranks in `failed_idle` (their cell raised; they are
+        idle) right now? Only when a rank still running is blocked on them: its telemetry, taken
+        after the first rank failed, shows it inside a collective (or, on gloo, inside DDP's
+        backward, whose gradient all-reduce runs in C++). Tearing down makes those peers fail at
+        once instead of at the process-group timeout. When every rank raised, or the others are
+        still running Python, the group and every model holding it stay exactly as they were.
+        Once per cell, and only on gloo (an NCCL group is never touched in-process)."""
+        if not failed_idle or self.torn_down or not self._recoverable_in_process():
+            return False
+        return bool(self.blocked_peers())
+
+    def blocked_peers(self) -> list[int]:
+        """Ranks still running whose fresh telemetry shows them waiting inside a collective."""
+        return [
+            r for r in sorted(self.run.pending)
+            if telemetry_time(self.cluster, r) >= self.first_fault_wall
+            and blocked_in_collective(self.cluster, r)
+        ]
+
+    def should_run_ladder(self, now: float) -> bool:
+        """Ranks still running `fault_settle` seconds after the first fault are stuck: ladder them."""
+        settled = self.first_fault_at is not None and now - self.first_fault_at >= self.config.fault_settle
+        return settled and bool(self.run.pending)
+
+    def _tear_down_failed(self, failed_idle: list[int]) -> None:
+        self.torn_down = True
+        done = self.cluster.teardown_process_group(failed_idle, timeout=self.config.teardown_grace)
+        if done:
+            self.run.result.actions.append(
+                f"tore down the process group on rank(s) {format_ranks(done)} so that rank(s) "
+                f"{format_ranks(sorted(self.run.pending))} blocked on them were released"
+            )
+
+    def on_deadline(self) -> None:
+        """Hang diagnosis: where every rank is and who skipped a collective; then the ladder."""
+        run = self.run
+        self.hang_report = hang_report(run)
+        for line in self.hang_report:
+            run.sink.on_status(line)
+        run.result.report_shown = getattr(run.sink, "shows_status", True)
+        self._climb_ladder(sorted(run.pending), reason="deadline")
+
+    def on_interrupt(self) -> None:
+        """The stop button (KeyboardInterrupt in the notebook): ladder every rank still running."""
+        self.run.sink.on_status(
+            f"nbdist: interrupting rank(s) {format_ranks(sorted(self.run.pending))} (stop button)"
+        )
+        self._climb_ladder(sorted(self.run.pending), reason="interrupt")
+
+    def _climb_ladder(self, ranks: list[int], reason: str) -> None:
+        if not ranks:
+            return
+        self.ladder_ran = True
+        ladder = InterruptLadder(self.run, tear_down_idle_peers=self._recoverable_in_process())
+        outcome = ladder.climb(ranks, reason)
+        self.torn_down = self.torn_down or outcome.torn_down
+        self.killed.update(outcome.killed)
+
+    def _recoverable_in_process(self) -> bool:
+        """Only a gloo group may be torn down and rebuilt inside the engines."""
+        return self.cluster.backend == "gloo"
+
+    # ---------------------------------------------------------------- after the cell
+    def after_cell(self) -> None:
+        """Classify failures (root cause vs consequence) and make the next cell work."""
+        result = self.run.result
+        cluster = self.cluster
+        if not result.errors and not self.ladder_ran and not self.torn_down:
+            return
+        alive = [p.spec.rank for p in cluster.ranks if p.state == "alive"]
+        reports = cell_reports(cluster, alive) if cluster.running and not cluster.controller_lost else {}
+        classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
+        if cluster.controller_lost:
+            return
+        self._recover(reports)
+
+    def _recover(self, reports: dict[int, dict[str, Any]]) -> None:
+        """Dead ranks: say how to restart. A broken group: rebuild it (gloo) or say how (NCCL)."""
+        actions = self.run.result.actions
+        cluster = self.cluster
+        dead = [p.spec.rank for p in cluster.ranks if p.state == "dead"]
+        if dead:
+            actions.append(
+                f"rank(s) {format_ranks(dead)} are dead; %dist_restart (Cluster.restart()) brings back "
+                "a full cluster with the same ranks, new processes and a new process group"
+            )
+            return
+        if not self._group_broken(reports):
+            return
+        if not self._recoverable_in_process():
+            actions.append(
+                f"the {cluster.backend} process group may be broken and cannot be recovered in-process: "
+                "run %dist_restart (Cluster.restart())"
+            )
+            return
+        try:
+            seconds = cluster.rebuild_process_group()
+            actions.append(
+                f"process group rebuilt (generation {cluster.generation}) in {seconds:.2f} s: "
+                "the next cell can use dist as before"
+            )
+        except Exception as exc:
+            actions.append(f"could not rebuild the process group ({exc}); run %dist_restart (Cluster.restart())")
+
+    def _group_broken(self, reports: dict[int, dict[str, Any]]) -> bool:
+        """nbdist tore it down, a rank's group broke under it (a peer went away inside a
+        collective), or the cell destroyed it. A collective that merely raised on its arguments
+        on every rank broke nothing."""
+        return self.torn_down or any(
+            rep.get("group_broken", bool(rep.get("failed_in"))) or not rep.get("pg_initialized", True)
+            for rep in reports.values()
+        )

@@ -1,0 +1,65 @@
+"""Where each rank is: read from its latest telemetry while it runs (collective, stack), or asked
+of it after the cell (collectives entered, the collective that failed, process-group state)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from nbdist.cluster.remote import gather
+from nbdist.errors import NbdistError
+from nbdist.worker import bootstrap
+
+if TYPE_CHECKING:
+    from nbdist.cluster import ClusterCore
+
+
+def where_of(cluster: ClusterCore, rank: int) -> dict[str, Any]:
+    """The rank's last "where" sample: ``collective`` (name, index, location, since), ``stack``,
+    ``collectives_entered``; empty when it sent none."""
+    payload = cluster.telemetry.last_payload.get(rank) or {}
+    return payload.get("where") or {}
+
+
+def where_text(cluster: ClusterCore, rank: int) -> str:
+    """``in all_reduce at train.py:12``, ``at <innermost frame>``, or "" when unknown."""
+    where = where_of(cluster, rank)
+    coll = where.get("collective")
+    if coll:
+        return f"in {coll['name']} at {coll['location']}"
+    stack = where.get("stack") or []
+    return f"at {stack[-1]}" if stack else ""
+
+
+def telemetry_time(cluster: ClusterCore, rank: int) -> float:
+    """When the rank took its last telemetry sample (its clock, time.time()); 0.0 if never."""
+    payload = cluster.telemetry.last_payload.get(rank) or {}
+    return float(payload.get("t") or 0.0)
+
+
+def blocked_in_collective(cluster: ClusterCore, rank: int) -> bool:
+    """The rank's telemetry shows it inside a collective: an explicit one, or (gloo) autograd's
+    backward, where DDP's reducer all-reduces gradients from C++ threads. A backward that is merely
+    long is released too; on gloo that costs only a rebuild of the group (~0.05 s)."""
+    where = where_of(cluster, rank)
+    if where.get("collective"):
+        return True
+    stack = where.get("stack") or []
+    return (
+        cluster.backend == "gloo"
+        and bool(stack)
+        and stack[-1].endswith(("in _engine_run_backward", "in run_backward"))
+    )
+
+
+def cell_reports(cluster: ClusterCore, ranks: list[int]) -> dict[int, dict[str, Any]]:
+    """Ask the alive ones of `ranks` what the cell did to them (``collectives_entered``,
+    ``failed_in``, ``pg_initialized``); a rank that cannot answer in time is left out."""
+    asyncs = {}
+    for rank in ranks:
+        if cluster.ranks[rank].state != "alive":
+            continue
+        try:
+            asyncs[rank] = cluster.view(rank).apply_async(bootstrap.cell_report)
+        except NbdistError:
+            continue
+    return gather(asyncs, cluster.config.cell_report_timeout).results

@@ -1,0 +1,87 @@
+"""Using the engines of an ipyparallel cluster nbdist did not start (`ipcluster start`, a Slurm
+job): finding it, waiting for its engines, and leaving them as they were found.
+
+nbdist never starts or kills a process of such a cluster.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from nbdist.cluster.remote import gather
+from nbdist.config import NbdistConfig
+from nbdist.errors import ClusterStartError, NbdistError
+from nbdist.worker import bootstrap
+
+
+def attach_target(profile: str | None, cluster_id: str, profile_dir: str | None,
+                  url_file: str | None) -> dict[str, Any]:
+    """ipyparallel.Client's arguments for the cluster `ClusterCore.attach` was pointed at."""
+    if url_file:
+        return {"url_file": url_file}
+    target: dict[str, Any] = {"cluster_id": cluster_id}
+    if profile_dir:
+        target["profile_dir"] = profile_dir
+    else:
+        target["profile"] = profile or "default"
+    return target
+
+
+def profile_target(profile: str | None, launcher: str, launcher_options: dict[str, Any]) -> dict[str, Any] | None:
+    """`Cluster(profile=...)`: attach to that profile's engines (it starts nothing itself)."""
+    if profile is None:
+        return None
+    if launcher != "local" or launcher_options:
+        raise NbdistError(
+            f"profile={profile!r} attaches to engines already running in that profile; "
+            "it does not combine with launcher= or launcher_options= (start the engines "
+            "with ipcluster, then attach)"
+        )
+    return {"profile": profile}
+
+
+def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
+                   say: Callable[[str], None]) -> tuple[Any, list[int]]:
+    """A client of the cluster `target` names, and the ids of the engines to use (n, or all)."""
+    client = connect(target)
+    ids = wait_for_registered(client, n, config)
+    say(f"attached to {len(ids)} engine(s) of an existing cluster ({target})")
+    return client, ids
+
+
+def connect(target: dict[str, Any]) -> Any:
+    import ipyparallel as ipp
+
+    try:
+        return ipp.Client(**target)
+    except (OSError, ValueError) as exc:
+        raise ClusterStartError(
+            f"no running ipyparallel cluster found for {target}: {exc}. "
+            "Start one first (ipcluster start --profile P), or check profile/cluster_id."
+        ) from None
+
+
+def wait_for_registered(client: Any, n: int | None, config: NbdistConfig,
+                        exclude: Iterable[int] = ()) -> list[int]:
+    """Engines of an attached cluster: n of them (all there are when n is None)."""
+    skip = set(exclude)
+    deadline = time.monotonic() + config.engine_start_timeout
+    while True:
+        ids = sorted(set(client.ids) - skip)
+        if ids and (n is None or len(ids) >= n):
+            return ids if n is None else ids[:n]
+        if time.monotonic() > deadline:
+            raise ClusterStartError(
+                f"{len(ids)} engine(s) registered with the attached cluster within "
+                f"{config.engine_start_timeout:.0f} s; {n or 'at least one'} needed"
+            )
+        time.sleep(config.startup_poll_interval)
+
+
+def leave_engines(client: Any, engine_ids: list[int], timeout: float) -> None:
+    """Stop telemetry and leave the process group on each engine still registered; the engines
+    stay (best effort)."""
+    registered = [eid for eid in engine_ids if eid in client.ids]
+    gather({eid: client[eid].apply_async(bootstrap.shutdown_rank) for eid in registered}, timeout)

@@ -1,0 +1,280 @@
+"""ipyparallel's part of a cluster: the controller and engines it starts through a launcher plan,
+the engines' connection file, their exit statuses and logs, and waiting for them to register.
+
+PIDs only ever come from launchers whose processes run on this machine (`has_local_pid`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from nbdist.cluster import watchdog
+from nbdist.cluster.launchers import LauncherPlan, engine_set_launchers, has_local_pid
+from nbdist.cluster.processes import OwnedProcesses, Pid, process_trees
+from nbdist.config import NbdistConfig
+from nbdist.errors import ClusterStartError
+
+ExitHandler = Callable[[dict[str, Any]], None]
+"""Called with ipyparallel's stop data ({"pid": ..., "exit_code": ...}) when an engine exits."""
+
+
+class Engines:
+    """One ipyparallel.Cluster: controller and engine sets, and what nbdist keeps of them."""
+
+    def __init__(self, config: NbdistConfig, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
+        self.config = config
+        self.processes = processes
+        self.on_exit = on_exit
+        self.ipp: Any = None
+        # ipyparallel drops a stopped engine's launcher from its set and removes its log file
+        # (keeping the text): nbdist holds on to each launcher, by PID, for log_tail
+        self._launchers_by_pid: dict[int, Any] = {}
+
+    def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
+        """Controller, orphan watchdog and n engines; returns the connected client once the
+        engines registered."""
+        engine_file = self.start_controller(plan, n, early_engines)
+        self.processes.write_pidfile(self.owned_pids())
+        self.processes.start_watchdog()
+        self.start_engines(n)
+        self.processes.write_pidfile(self.owned_pids())
+        if engine_file is not None:
+            self.publish_engine_file(engine_file)
+        client = self.ipp.connect_client_sync()
+        self.wait_for_registration(client, n)
+        self.processes.harden_permissions()
+        return client
+
+    def start_controller(self, plan: LauncherPlan, n: int, early_engines: bool) -> str | None:
+        """Start the controller (engines come later); with `early_engines`, returns where the
+        engines will find the controller's connection file (see publish_engine_file)."""
+        import ipyparallel as ipp
+
+        profile_dir = os.path.join(self.processes.workdir, "profile")
+        engine_file = None
+        if early_engines:
+            engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
+            _start_engines_early(plan, engine_file, self.config.engine_start_timeout)
+        self.ipp = ipp.Cluster(
+            n=n,
+            profile_dir=profile_dir,
+            delay=0,
+            config=plan.config,
+            log=_quiet_logger(),
+            shutdown_atexit=False,
+            engine_timeout=int(self.config.engine_start_timeout),
+            **plan.cluster_kwargs,
+        )
+        if early_engines:
+            self.ipp.send_engines_connection_env = False
+        self.ipp.start_controller_sync()
+        self.processes.record_controller(self.ipp.controller.pid)
+        return engine_file
+
+    def start_engines(self, n: int) -> None:
+        self.ipp.start_engines_sync(n)
+        for launcher in self.launchers():
+            if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
+                launcher.on_stop(self.on_exit)
+                self._launchers_by_pid[launcher.pid] = launcher
+                _run_wait_thread_callbacks_at_once(launcher)
+
+    def publish_engine_file(self, target: str) -> None:
+        """Copy the controller's engine connection file, once complete, to where the early
+        engines look for it; written atomically, so no engine ever reads half a file."""
+        source = self.ipp.controller.connection_files["engine"]
+        deadline = time.monotonic() + self.config.engine_start_timeout
+        while True:
+            try:
+                with open(source) as f:
+                    text = f.read()
+                json.loads(text)
+                break
+            except (OSError, ValueError):  # not there yet, or being written
+                if not self.processes.controller_alive():
+                    raise ClusterStartError(
+                        "the ipyparallel controller exited while starting.\n" + self.controller_output()
+                    ) from None
+                if time.monotonic() > deadline:
+                    raise ClusterStartError(
+                        f"the controller wrote no connection file within "
+                        f"{self.config.engine_start_timeout:.0f} s (NbdistConfig.engine_start_timeout)"
+                    ) from None
+                time.sleep(self.config.startup_poll_interval)
+        tmp = f"{target}.tmp"
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+            f.write(text)
+        os.replace(tmp, target)
+
+    def wait_for_registration(self, client: Any, n: int, known: Iterable[int] = ()) -> list[int]:
+        """Wait for n new engines to register; fail fast if engine processes exit meanwhile."""
+        known_ids = set(known)
+        deadline = time.monotonic() + self.config.engine_start_timeout
+        while True:
+            new_ids = sorted(set(client.ids) - known_ids)
+            if len(new_ids) >= n:
+                return new_ids[:n]
+            exited = [la for la in self.launchers() if la.state == "after"]
+            if exited:
+                raise ClusterStartError(
+                    f"{len(exited)} engine process(es) exited while starting.\n" + _log_tails(exited)
+                )
+            if not self.processes.controller_alive():
+                raise ClusterStartError(
+                    "the ipyparallel controller exited while engines were starting.\n"
+                    + self.controller_output()
+                )
+            if time.monotonic() > deadline:
+                raise ClusterStartError(
+                    f"only {len(new_ids)} of {n} engines registered within "
+                    f"{self.config.engine_start_timeout:.0f} s "
+                    f"(NbdistConfig.engine_start_timeout).\n" + _log_tails(self.launchers())
+                )
+            time.sleep(self.config.startup_poll_interval)
+
+    def controller_output(self, lines: int = 30) -> str:
+        return _tail(self.ipp.controller.get_output(), lines)
+
+    def launchers(self) -> list[Any]:
+        if self.ipp is None:
+            return []
+        return [la for es in self.ipp.engines.values() for la in engine_set_launchers(es)]
+
+    def local_pids(self) -> list[Pid]:
+        """Local engine processes with their children (nannies)."""
+        # a remote PID number must never select a local process
+        return process_trees(la.pid for la in self.launchers() if has_local_pid(la))
+
+    def owned_pids(self, helpers: list[Pid] | None = None) -> list[Pid]:
+        """The controller's family, the local engines and these helpers of the ranks."""
+        return sorted(set(self.processes.controller_family() + self.local_pids() + (helpers or [])))
+
+    def log_tail(self, pid: int, lines: int) -> str:
+        """The last lines the engine with this PID wrote to its own log (crash messages land there)."""
+        launcher = self._launchers_by_pid.get(pid)
+        if launcher is None:
+            launcher = next((la for la in self.launchers() if la.pid == pid), None)
+        if launcher is None:
+            return ""
+        try:
+            if launcher.state == "after":  # stopped: ipyparallel keeps the text, not the file
+                text = launcher.get_output()
+            else:
+                with open(launcher.output_file, errors="replace") as f:
+                    text = f.read()
+        except (OSError, AttributeError):
+            return ""
+        keep = [ln for ln in text.splitlines() if ln.strip() and "[IPEngine]" not in ln]
+        return "\n".join(keep[-lines:])
+
+    def stop_engines(self, helpers: list[Pid]) -> bool:
+        """Stop every engine (local ones and these helpers by PID first) and forget them, for
+        new ones; False if ipyparallel could not stop the others (ask those to exit)."""
+        watchdog.terminate_all(self.local_pids() + helpers, grace=self.config.stop_timeout)
+        stopped = self.stop_through_ipyparallel()
+        self.ipp.engines.clear()
+        return stopped
+
+    def stop_through_ipyparallel(self) -> bool:
+        """Stop the engines through ipyparallel (ssh kill, scancel...); False if that failed."""
+        try:
+            self.ipp.stop_engines_sync()
+            return True
+        except Exception:
+            return False
+
+    def forget(self) -> None:
+        """Drop ipyparallel's Cluster (its processes are already stopped), ending its wait threads."""
+        if self.ipp is None:
+            return
+        for launcher in self.launchers():
+            if hasattr(launcher, "_stop_waiting"):
+                launcher._stop_waiting.set()
+        self.ipp = None
+
+
+def close_quietly(client: Any) -> None:
+    """Close an ipyparallel client, if any, whatever state its controller is in."""
+    if client is None:
+        return
+    try:
+        client.close()
+    except Exception:
+        pass
+
+
+def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:
+    """Engines on other machines cannot be killed by PID: ask them to exit (best effort)."""
+    if client is None or not engine_ids:
+        return
+    try:
+        client.shutdown(targets=[e for e in engine_ids if e in client.ids], block=False)
+    except Exception:
+        pass
+
+
+def _start_engines_early(plan: LauncherPlan, engine_file: str, wait_seconds: float) -> None:
+    # Local engines start together with the controller instead of after it (ipyparallel
+    # would wait for the controller's connection file first: 1-2 s of engine start-up,
+    # torch import included, lost). They wait for a complete copy of that file.
+    engine_set = plan.config.LocalEngineSetLauncher
+    args = list(engine_set.engine_args) if "engine_args" in engine_set else []
+    engine_set.engine_args = [*args, f"--IPEngine.url_file={engine_file}",
+                              f"--IPEngine.wait_for_url_file={wait_seconds}"]
+    # no kernel nanny: nbdist signals local engines by PID and learns of their exit from
+    # the launcher, so the nanny would only add one more Python process per engine
+    # (measured: about 0.7 s of the start on 2 cores)
+    engine_set.engine_args.append("--IPEngine.enable_nanny=False")
+
+
+def _run_wait_thread_callbacks_at_once(launcher: Any) -> None:
+    """ipyparallel's wait thread reaps the engine (getting -9, -11...) but hands the status
+    to an event loop that a notebook kernel does not run, so on_stop never fires. Run those
+    hand-offs at once when they come from a launcher's wait thread."""
+    loop = launcher.loop
+    if getattr(loop, "_nbdist_wait_passthrough", False):
+        return
+    original = loop.add_callback
+
+    def add_callback(callback: Any, *args: Any, **kwargs: Any) -> None:
+        if threading.current_thread().name.startswith("wait(pid="):
+            try:
+                callback(*args, **kwargs)
+                return
+            except Exception:
+                pass
+        original(callback, *args, **kwargs)
+
+    loop.add_callback = add_callback
+    loop._nbdist_wait_passthrough = True
+
+
+def _log_tails(launchers: list[Any], lines: int = 15) -> str:
+    parts = []
+    for la in launchers:
+        try:
+            with open(la.output_file, errors="replace") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        parts.append(f"--- engine pid {la.pid} log (last {lines} lines) ---\n{_tail(text, lines)}")
+    return "\n".join(parts)
+
+
+def _tail(text: str, lines: int) -> str:
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _quiet_logger() -> logging.Logger:
+    log = logging.getLogger("nbdist.ipyparallel")
+    log.setLevel(logging.WARNING)
+    log.propagate = False
+    if not log.handlers:
+        log.addHandler(logging.NullHandler())
+    return log

@@ -1,0 +1,147 @@
+"""Which ranks are still alive: engines' exit statuses, engines the controller dropped, and the
+one poll (`poll_dead`) that turns them into dead ranks with a reason (`killed by SIGKILL`...).
+
+Local engines are watched by PID; remote ones only through the controller's registrations.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from typing import Any, Protocol
+
+from nbdist.cluster import watchdog
+from nbdist.cluster.processes import OwnedProcesses
+from nbdist.cluster.ranks import RankProcess
+from nbdist.cluster.telemetry import TelemetryHub
+from nbdist.config import NbdistConfig
+
+
+class RankHolder(Protocol):
+    """What liveness needs of the cluster (ClusterCore provides it)."""
+
+    ranks: list[RankProcess]
+    telemetry: TelemetryHub
+    controller_lost: bool
+
+    def is_registered(self, engine_id: int) -> bool: ...
+
+    def mark_dead(self, rank: int, detail: str, notify: bool = True) -> None: ...
+
+    def signal_rank(self, rank: int, sig: int) -> None: ...
+
+
+class Liveness:
+    """Exit statuses and lost engines as they are learnt (any thread), reported by poll_dead."""
+
+    def __init__(self, config: NbdistConfig, cluster: RankHolder, processes: OwnedProcesses) -> None:
+        self.config = config
+        self.cluster = cluster
+        self.processes = processes
+        self._lock = threading.Lock()
+        self._exit_codes: dict[int, Any] = {}
+        self._lost_ranks: list[int] = []
+
+    def record_exit(self, stop_data: dict[str, Any]) -> None:
+        """A launcher's on_stop callback (runs on its wait thread)."""
+        with self._lock:
+            self._exit_codes[int(stop_data.get("pid", -1))] = stop_data.get("exit_code")
+
+    def watch_unregistrations(self, client: Any) -> None:
+        """Mark a remote rank dead the moment the controller drops its engine, before
+        ipyparallel turns its running task into an EngineError, so a cell reports "died" (with
+        the host) rather than "raised". Remote PIDs cannot be polled; this is how we learn."""
+        handlers = getattr(client, "_notification_handlers", None)
+        if not isinstance(handlers, dict) or "unregistration_notification" not in handlers:
+            return  # poll_dead still notices through client.ids, only later
+        original = handlers["unregistration_notification"]
+
+        def on_unregister(msg: Any) -> None:
+            try:
+                self.engine_lost(int(msg["content"]["id"]))
+            except Exception:
+                pass
+            original(msg)
+
+        handlers["unregistration_notification"] = on_unregister
+
+    def engine_lost(self, engine_id: int) -> None:
+        """Runs on ipyparallel's IO thread: the rank is dead at once (a cell finishing now must
+        see it), and queued so that poll_dead, on the notebook's thread, tells the listeners."""
+        with self._lock:
+            for proc in self.cluster.ranks:
+                if proc.spec.engine_id == engine_id and proc.state == "alive" and not proc.local:
+                    self.cluster.mark_dead(proc.spec.rank, _lost_detail(proc), notify=False)
+                    self._lost_ranks.append(proc.spec.rank)
+
+    def poll_dead(self) -> dict[int, str]:
+        """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc.
+        Also notices a controller that is gone (`controller_lost`)."""
+        newly_dead: dict[int, str] = {}
+        with self._lock:
+            lost, self._lost_ranks = self._lost_ranks, []
+        for rank in lost:
+            newly_dead[rank] = detail = self.cluster.ranks[rank].exit_detail
+            self.cluster.telemetry.rank_state(rank, "dead", detail)
+        for proc in self.cluster.ranks:
+            if proc.state == "dead":
+                continue
+            detail = self._remote_loss(proc) if not proc.local else self._local_exit(proc)
+            if detail is not None:
+                self.cluster.mark_dead(proc.spec.rank, detail)
+                newly_dead[proc.spec.rank] = detail
+        processes = self.processes
+        if processes.controller and not self.cluster.controller_lost and not processes.controller_alive():
+            self.cluster.controller_lost = True
+        return newly_dead
+
+    def _remote_loss(self, proc: RankProcess) -> str | None:
+        if self.cluster.is_registered(proc.spec.engine_id):
+            return None
+        return _lost_detail(proc)
+
+    def _local_exit(self, proc: RankProcess) -> str | None:
+        with self._lock:
+            code = self._exit_codes.get(proc.pid, "missing")
+        if code == "missing":
+            alive = watchdog.same_process(proc.pid, proc.create_time) is not None
+            registered = self.cluster.is_registered(proc.spec.engine_id)
+            if alive and registered:
+                return None
+            if alive:  # running but the controller dropped it: unusable, end it
+                self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)
+                code = "unregistered from the controller"
+            else:
+                code = self._wait_exit_code(proc.pid)
+        return describe_exit(code)
+
+    def _wait_exit_code(self, pid: int) -> Any:
+        """The launcher's wait thread reaps the engine and records its status a moment later."""
+        deadline = time.monotonic() + self.config.exit_status_timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if pid in self._exit_codes:
+                    return self._exit_codes[pid]
+            time.sleep(self.config.exit_status_poll_interval)
+        return "unknown"
+
+
+def describe_exit(code: Any) -> str:
+    """An engine's exit status in words: "killed by SIGKILL (signal 9)", "exited with code 3"."""
+    if isinstance(code, str) and code.startswith("unregistered"):
+        return code
+    if isinstance(code, int):
+        if code < 0:
+            try:
+                name = signal.Signals(-code).name
+            except ValueError:
+                name = f"signal {-code}"
+            return f"killed by {name} (signal {-code})"
+        return f"exited with code {code}"
+    return "exited (exit status unknown)"
+
+
+def _lost_detail(proc: RankProcess) -> str:
+    return (f"engine on {proc.spec.host} lost: the controller stopped hearing its heartbeat "
+            "(process or host gone)")

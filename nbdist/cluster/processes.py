@@ -1,0 +1,152 @@
+"""Every process a cluster owns, by PID: its private directory, the controller and the children it
+forks, the pid file that names them all, and the orphan watchdog that reads that file.
+
+Nothing here knows ipyparallel; `nbdist.cluster.engines` reports the engine PIDs it starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+
+from nbdist.cluster import watchdog
+from nbdist.cluster.ranks import RankProcess
+from nbdist.config import NbdistConfig
+
+Pid = tuple[int, float]
+"""A process as nbdist records it: (pid, create time), so a reused PID is never mistaken for it."""
+
+
+class OwnedProcesses:
+    """The cluster's private directory, its controller's process family and the orphan guard."""
+
+    def __init__(self, config: NbdistConfig) -> None:
+        self.config = config
+        self.workdir = ""
+        self.pidfile = ""
+        self.watchdog: subprocess.Popen[bytes] | None = None
+        self.controller: Pid | None = None
+        self._controller_children: set[Pid] = set()
+
+    def create_workdir(self) -> str:
+        self.workdir = tempfile.mkdtemp(prefix="nbdist-")  # 0700 by construction
+        self.pidfile = os.path.join(self.workdir, "pids.json")
+        return self.workdir
+
+    def record_controller(self, pid: int) -> None:
+        self.controller = (pid, psutil.Process(pid).create_time())
+        self._controller_children = set()
+
+    def controller_alive(self) -> bool:
+        if self.controller is None:
+            return False
+        return watchdog.same_process(*self.controller) is not None
+
+    def controller_family(self) -> list[Pid]:
+        """The controller and its children (its schedulers and heart monitor are forked
+        processes). The children are remembered: when the controller is killed they are
+        orphaned, and only the record still names them (measured: 8 left per kill)."""
+        if not self.controller:
+            return []
+        proc = watchdog.same_process(*self.controller)
+        if proc is not None:
+            try:
+                self._controller_children |= {(c.pid, c.create_time()) for c in proc.children(recursive=True)}
+            except psutil.Error:
+                pass
+        return [self.controller, *sorted(self._controller_children)]
+
+    def write_pidfile(self, pids: list[Pid]) -> None:
+        if self.pidfile and os.path.isdir(self.workdir):
+            watchdog.write_pidfile(self.pidfile, pids)
+
+    def harden_permissions(self) -> None:
+        """ipyparallel writes some files 0644; keep everything owner-only (keys live here)."""
+        for root, dirs, files in os.walk(self.workdir):
+            for name in dirs:
+                os.chmod(os.path.join(root, name), 0o700)
+            for name in files:
+                try:
+                    os.chmod(os.path.join(root, name), 0o600)
+                except OSError:
+                    pass
+
+    def start_watchdog(self) -> None:
+        me = psutil.Process()
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-m", "nbdist.cluster.watchdog", "--parent", str(me.pid),
+             "--parent-create-time", repr(me.create_time()), "--pidfile", self.pidfile,
+             "--workdir", self.workdir, "--interval", str(self.config.watchdog_interval),
+             "--grace", str(self.config.orphan_kill_grace)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+    def stop_watchdog(self) -> None:
+        if self.pidfile and os.path.exists(self.pidfile):
+            os.remove(self.pidfile)  # tells the watchdog to exit quietly
+        if self.watchdog is None:
+            return
+        # it only sleeps between checks (up to watchdog_interval): end it now, not at its
+        # next check; its work is done, the processes it guards are already stopped
+        try:
+            self.watchdog.terminate()
+        except OSError:
+            pass
+        try:
+            self.watchdog.wait(timeout=2 * self.config.watchdog_interval + 1)
+        except subprocess.TimeoutExpired:
+            self.watchdog.send_signal(signal.SIGKILL)
+            self.watchdog.wait(timeout=2)
+        self.watchdog = None
+
+    def remove_workdir(self) -> None:
+        if self.workdir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def process_trees(pids: Iterable[int]) -> list[Pid]:
+    """These local processes and all their children, as recorded PIDs (gone ones skipped)."""
+    found: list[Pid] = []
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            found.append((pid, proc.create_time()))
+            found.extend((c.pid, c.create_time()) for c in proc.children(recursive=True))
+        except psutil.NoSuchProcess:
+            continue
+    return found
+
+
+def signal_rank_process(proc: RankProcess, sig: int, client: Any) -> None:
+    """Deliver `sig` to a rank's engine: by PID here (if it is still that process), through the
+    controller for an engine on another machine (its nanny delivers it)."""
+    if not proc.local:
+        try:
+            client.send_signal(int(sig), targets=[proc.spec.engine_id], block=False)
+        except Exception:
+            pass
+        return
+    if watchdog.same_process(proc.pid, proc.create_time) is None:
+        return
+    try:
+        os.kill(proc.pid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def release_rank_process(proc: RankProcess, client: Any) -> bool:
+    """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);
+    False if its engine was not started by nbdist and has no such signal."""
+    if proc.release_signal is None or proc.state != "alive":
+        return False
+    signal_rank_process(proc, proc.release_signal, client)
+    return True

@@ -1,0 +1,46 @@
+"""Calls the notebook makes on a set of ranks between cells: push and pull values, tear down or
+rebuild the process group. Each waits under one deadline (`nbdist.cluster.remote.gather`).
+
+`views` are ipyparallel views by rank (or by engine id), as `ClusterCore` hands them over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nbdist.cluster.rank_setup import collect
+from nbdist.cluster.remote import gather
+from nbdist.errors import NbdistError
+from nbdist.worker import bootstrap
+
+
+def push(views: Mapping[int, Any], values: dict[str, Any], timeout: float) -> None:
+    """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
+    asyncs = {r: view.apply_async(bootstrap.receive_values, values) for r, view in views.items()}
+    collect(asyncs, timeout, "push", label="rank")
+
+
+def pull(views: Mapping[int, Any], name: str, timeout: float) -> dict[int, Any]:
+    """One name from each rank: {rank: value} (tensors arrive on CPU)."""
+    asyncs = {r: view.apply_async(bootstrap.send_values, [name]) for r, view in views.items()}
+    gathered = gather(asyncs, timeout)
+    if gathered.failures:
+        first = min(gathered.failures)
+        raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
+    return {r: values[name] for r, values in gathered.results.items()}
+
+
+def teardown_process_groups(views: Mapping[int, Any], timeout: float) -> list[int]:
+    """Destroy the group on these (idle) ranks; returns the ranks where that finished in time."""
+    asyncs = {r: view.apply_async(bootstrap.teardown_process_group) for r, view in views.items()}
+    return list(gather(asyncs, timeout).results)
+
+
+def rebuild_process_groups(engines: Mapping[int, Any], *, port: int, generation: int,
+                           master_addr: str, store_path: str | None, timeout: float) -> None:
+    """Every engine joins the new generation on a fresh port (or store file)."""
+    asyncs = {eid: view.apply_async(bootstrap.rebuild_process_group, port, generation, master_addr,
+                                    store_path)
+              for eid, view in engines.items()}
+    collect(asyncs, timeout, "rebuilding the process group")

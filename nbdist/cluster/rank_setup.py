@@ -1,0 +1,149 @@
+"""The notebook's half of the rank bootstrap: how many ranks, probe the engines, give them ranks,
+and send each the options `nbdist.worker.bootstrap.setup_rank` needs (env, threads, rendezvous).
+
+The cluster's state (generation, rank table) stays in `ClusterCore`; these only compute and call.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+from collections.abc import Mapping
+from typing import Any
+
+from nbdist.cluster.launchers import LauncherPlan
+from nbdist.cluster.ranks import (
+    EngineInfo,
+    RankProcess,
+    RankSpec,
+    build_rank_map,
+    choose_backend,
+    default_threads,
+)
+from nbdist.cluster.remote import gather
+from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engine
+from nbdist.config import NbdistConfig
+from nbdist.errors import ClusterStartError
+from nbdist.worker import bootstrap
+
+
+def rank_count(requested_n: int | None, plan: LauncherPlan) -> int:
+    """-n if given, else the engines an ssh host list names, else one rank per GPU here."""
+    if requested_n:
+        return requested_n
+    ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines")
+    if ssh_hosts:
+        return int(sum(ssh_hosts.values()))
+    return _default_rank_count()
+
+
+def _default_rank_count() -> int:
+    """The number of GPUs, else 2 CPU ranks (counted without importing CUDA in the notebook)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]) or 2
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
+        count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
+        return count or 2
+    except (OSError, subprocess.TimeoutExpired):
+        return 2
+
+
+def collect(asyncs: Mapping[int, Any], timeout: float, what: str, label: str = "engine") -> dict[int, Any]:
+    """Every result, or one ClusterStartError that names each `label` that failed and why."""
+    gathered = gather(asyncs, timeout)
+    if gathered.failures:
+        lines = [f"{label} {key}: {why}" for key, why in gathered.failures.items()]
+        raise ClusterStartError(f"{what} failed:\n" + "\n".join(lines))
+    return gathered.results
+
+
+def probe_and_plan(client: Any, ids: list[int], requested_backend: str, gpus_per_rank: int,
+                   host_order: list[str] | None, timeout: float) -> tuple[list[RankSpec], dict[int, Any]]:
+    """Probe the engines, then the rank table for them (hosts in `host_order` first: ranks
+    survive restarts); returns the table and the probes."""
+    peer = controller_host(client)
+    probes = collect({eid: client[eid].apply_async(bootstrap.probe, peer) for eid in ids},
+                     timeout, "probing engines (torch import)")
+    infos = [
+        EngineInfo(engine_id=eid, host=probes[eid]["host"], pid=probes[eid]["pid"],
+                   gpu_count=probes[eid]["gpu_count"])
+        for eid in ids
+    ]
+    backend = choose_backend(requested_backend, [i.gpu_count for i in infos], gpus_per_rank)
+    return build_rank_map(infos, backend, gpus_per_rank, host_order=host_order), probes
+
+
+def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, port: int,
+                generation: int, rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
+                requested_threads: int | None) -> list[RankProcess]:
+    """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
+    cwd = os.getcwd()
+    asyncs = {}
+    for spec in specs:
+        options = setup_options(
+            spec, probes[spec.engine_id], port=port, generation=generation, rendezvous=rendezvous,
+            config=config, workdir=workdir, requested_threads=requested_threads, cwd=cwd,
+        )
+        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
+            bootstrap.setup_rank, spec_dict(spec), options)
+    results = collect(asyncs, config.bootstrap_timeout, "setting up ranks and the process group")
+    return rank_processes(specs, probes, results)
+
+
+def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
+                  rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
+                  requested_threads: int | None, cwd: str) -> dict[str, Any]:
+    """What one rank's setup_rank call gets besides its spec."""
+    threads = requested_threads or default_threads(probe["cpu_count"] or 1, spec.local_world_size)
+    master_addr = rendezvous.master_addr
+    return {
+        "env": spec.env(master_addr, port),
+        "threads": threads,
+        "cwd": cwd,
+        "master_addr": master_addr,
+        "port": port,
+        "pg_timeout": config.process_group_timeout,
+        "generation": generation,
+        "telemetry_interval": config.telemetry_interval,
+        "telemetry_log_spacing": config.telemetry_log_spacing,
+        "telemetry_start_delay": config.telemetry_start_delay,
+        "socket_ifname": "lo" if master_addr.startswith("127.") else None,
+        "interface_env": rendezvous.interface_env(probe),
+        "store_path": rendezvous.store_path(workdir, generation),
+    }
+
+
+def spec_dict(spec: RankSpec) -> dict[str, Any]:
+    """A RankSpec as plain data for the engine (which need not import nbdist.cluster)."""
+    return {
+        "rank": spec.rank, "local_rank": spec.local_rank, "world_size": spec.world_size,
+        "local_world_size": spec.local_world_size, "host": spec.host,
+        "engine_id": spec.engine_id, "backend": spec.backend, "gpus": list(spec.gpus),
+    }
+
+
+def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
+                   results: dict[int, Any]) -> list[RankProcess]:
+    return [
+        RankProcess(
+            spec=spec,
+            pid=probes[spec.engine_id]["pid"],
+            create_time=probes[spec.engine_id]["create_time"],
+            device=results[spec.engine_id]["device"],
+            threads=results[spec.engine_id]["threads"],
+            helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
+            local=is_local_engine(probes[spec.engine_id]),
+            release_signal=probes[spec.engine_id].get("release_signal"),
+        )
+        for spec in specs
+    ]
+
+
+def freeze_collectors(client: Any, ids: list[int], timeout: float) -> None:
+    """Move everything alive now (torch, IPython: millions of objects) out of each engine's
+    collector's reach: the engine's exit then skips a multi-second final gc.collect (%dist_stop),
+    and full collections during training stop rescanning torch's own objects."""
+    gather({eid: client[eid].apply_async(gc.freeze) for eid in ids}, timeout)

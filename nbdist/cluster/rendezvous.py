@@ -1,0 +1,111 @@
+"""Where the ranks meet: the master address (rank 0's), the interface their sockets use, and per
+process-group generation a fresh store (a file in the private directory, or a port on rank 0).
+
+On one host nothing leaves loopback; across hosts the caveats are in `launchers.RENDEZVOUS_WARNING`.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from typing import Any
+
+from nbdist.cluster import watchdog
+from nbdist.cluster.launchers import is_loopback, warn_unauthenticated_rendezvous
+from nbdist.cluster.ranks import RankSpec
+from nbdist.cluster.remote import short_error
+from nbdist.errors import ClusterStartError
+from nbdist.worker import net
+
+
+class Rendezvous:
+    """The master address and interface of a cluster, chosen again at each bootstrap."""
+
+    def __init__(self, master_addr: str | None, interface: str | None) -> None:
+        self.requested_master_addr = master_addr
+        self.master_addr = master_addr or "127.0.0.1"
+        self.interface = interface
+        self.spans_hosts = False
+
+    def choose(self, plan_spans_hosts: bool, specs: list[RankSpec], probes: dict[int, Any]) -> None:
+        """Rendezvous on rank 0: its address on --interface, else the one it reaches the
+        controller by (so the others reach it too); 127.0.0.1 for a local cluster."""
+        self.spans_hosts = (
+            plan_spans_hosts
+            or len({p["host"] for p in probes.values()}) > 1
+            or not all(is_local_engine(p) for p in probes.values())
+        )
+        if self.spans_hosts and not plan_spans_hosts:
+            warn_unauthenticated_rendezvous()  # found out only now (attached engines elsewhere)
+        if self.requested_master_addr is not None:
+            self.master_addr = self.requested_master_addr
+        elif not self.spans_hosts:
+            self.master_addr = "127.0.0.1"
+        else:
+            self.master_addr = _rank0_address(probes[specs[0].engine_id], specs[0].host, self.interface)
+
+    def interface_env(self, probe: dict[str, Any]) -> dict[str, str]:
+        """GLOO/NCCL_SOCKET_IFNAME for one rank: --interface, else (across hosts) the interface
+        that rank reaches the controller by; nothing extra for a local cluster."""
+        name = self.interface
+        if name is None and self.spans_hosts:
+            name = probe.get("route_interface")
+        if not name:
+            return {}
+        return {"GLOO_SOCKET_IFNAME": str(name), "NCCL_SOCKET_IFNAME": str(name)}
+
+    def store_path(self, workdir: str, generation: int) -> str | None:
+        """A file store per generation in the private directory when every rank is local."""
+        if self.spans_hosts or not workdir:
+            return None
+        return os.path.join(workdir, f"store-generation-{generation}")
+
+    def port(self, client: Any, rank0_engine: int, timeout: float) -> int:
+        """A fresh port for the store: picked here for a local master, else on rank 0 itself."""
+        if is_loopback(self.master_addr) or not self.spans_hosts:
+            return net.free_port(self.master_addr)
+        ar = client[rank0_engine].apply_async(net.free_port, self.master_addr)
+        try:
+            return int(ar.get(timeout=timeout))
+        except Exception as exc:
+            raise ClusterStartError(
+                f"rank 0 could not open a port on {self.master_addr}: {short_error(exc)}"
+            ) from None
+
+
+def _rank0_address(rank0: dict[str, Any], host: str, interface: str | None) -> str:
+    if interface is not None:
+        addrs = rank0.get("addresses", {}).get(interface, [])
+        if not addrs:
+            raise ClusterStartError(
+                f"--interface {interface}: rank 0 (host {host}) has no IPv4 "
+                f"address on it (it has {sorted(rank0.get('addresses', {}))})"
+            )
+        return str(addrs[0])
+    if not rank0.get("route_address"):
+        raise ClusterStartError(
+            f"could not tell which address of rank 0 (host {host}) the other ranks "
+            "can reach; pass master_addr= (--master-addr) or interface= (--interface)"
+        )
+    return str(rank0["route_address"])
+
+
+def is_local_engine(probe: dict[str, Any]) -> bool:
+    """Same machine (hostname and boot id) and the PID really is that engine here."""
+    if probe.get("host") != socket.gethostname():
+        return False
+    if probe.get("boot_id") != net.boot_id():
+        return False
+    return watchdog.same_process(int(probe["pid"]), float(probe["create_time"])) is not None
+
+
+def controller_host(client: Any) -> str | None:
+    """The controller's address as engines see it (the peer ranks route towards)."""
+    if client is None:
+        return None
+    cfg = getattr(client, "_config", {}) or {}
+    interface = str(cfg.get("interface", ""))
+    host = interface.split("://", 1)[-1]
+    if host in ("", "*", "0.0.0.0"):
+        host = str(cfg.get("location") or "") or None
+    return host

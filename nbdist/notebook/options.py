@@ -1,0 +1,82 @@
+"""What the magics' options mean, as plain typed functions that need no IPython: option value
+types, %dist_start's multi-host flags as Cluster keyword arguments, %dist_push's items as values."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from nbdist.errors import NbdistError
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number, 1 or more (-n, --threads, --nproc)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """An argparse type: a number of seconds above 0 (--timeout)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
+    return value
+
+
+def launcher_kwargs(*, launcher: str = "local", profile: str | None = None,
+                    master_addr: str | None = None, interface: str | None = None,
+                    hosts: str | None = None, mpi_args: str | None = None, curve: bool = False,
+                    launcher_options: Sequence[str] = ()) -> dict[str, Any]:
+    """%dist_start's multi-host flags as Cluster keyword arguments (see nbdist.cluster.launchers).
+
+    ``launcher_options`` are the ``-o KEY=VALUE`` items; a plain local start passes no launcher
+    at all, so Cluster keeps its own default."""
+    options: dict[str, Any] = {}
+    for item in launcher_options:
+        if "=" not in item:
+            raise NbdistError(f"%dist_start -o {item!r}: write KEY=VALUE (e.g. -o partition=gpu)")
+        key, value = item.split("=", 1)
+        options[key.strip()] = value
+    if hosts:
+        options["hosts"] = hosts
+    if mpi_args:
+        options["mpi_args"] = mpi_args
+    if curve:
+        options["curve"] = True
+    kwargs: dict[str, Any] = {"master_addr": master_addr, "interface": interface}
+    if profile is not None:
+        kwargs["profile"] = profile
+    if launcher != "local" or options:
+        kwargs["launcher"] = launcher
+        kwargs["launcher_options"] = options
+    return kwargs
+
+
+def push_values(items: Sequence[str], namespace: Mapping[str, Any],
+                evaluate: Callable[[str], Any]) -> dict[str, Any]:
+    """%dist_push's items as ``{name: value}``: ``NAME`` takes the notebook's value, ``name=expr``
+    the value of ``evaluate(expr)`` (the notebook's own evaluation, in its namespace)."""
+    if not items:
+        raise NbdistError("%dist_push needs names (x y) or name=expression")
+    values: dict[str, Any] = {}
+    for item in items:
+        if "=" in item:
+            name, expr = item.split("=", 1)
+            values[name.strip()] = evaluate(expr)
+        elif item in namespace:
+            values[item] = namespace[item]
+        else:
+            raise NbdistError(f"%dist_push: {item!r} is not defined in the notebook")
+    for name in values:
+        if not name.isidentifier():
+            raise NbdistError(f"%dist_push: {name!r} is not a valid name")
+    return values

@@ -1,0 +1,62 @@
+"""Network helpers for both sides of a cluster: free ports, which machine this is, its IPv4
+addresses and the local address (and interface) it reaches a peer by.
+
+Plain stdlib and psutil, no torch: the notebook imports this too.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free right now on `host` (run on rank 0 when its store listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def boot_id() -> str:
+    """Differs between machines (same for network namespaces of one kernel)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def ipv4_addresses() -> dict[str, list[str]]:
+    """Each network interface that has IPv4 addresses, with them."""
+    import psutil
+
+    return {
+        name: [a.address for a in addrs if a.family == socket.AF_INET]
+        for name, addrs in psutil.net_if_addrs().items()
+        if any(a.family == socket.AF_INET for a in addrs)
+    }
+
+
+def interface_ipv4(interface: str) -> str | None:
+    """The first IPv4 address of a local network interface, or None."""
+    addresses = ipv4_addresses().get(interface, [])
+    return addresses[0] if addresses else None
+
+
+def route_source(peer: str) -> str:
+    """The local address the kernel would use to reach `peer`; no packet is sent. Raises OSError
+    when `peer` does not resolve or is unreachable."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(peer), 9))
+        return str(s.getsockname()[0])
+
+
+def route_to(peer: str) -> tuple[str | None, str | None]:
+    """The local address and its interface this machine reaches `peer` by; (None, None) if none."""
+    try:
+        address = route_source(peer)
+    except OSError:
+        return None, None
+    for name, addrs in ipv4_addresses().items():
+        if address in addrs:
+            return address, name
+    return address, None

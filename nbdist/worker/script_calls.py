@@ -1,0 +1,155 @@
+"""A pasted script's own process-group calls, made to work inside a cell.
+
+`dist.init_process_group` when the cluster's group exists is a no-op with a one-line note (a clear
+error when its settings differ); `dist.destroy_process_group` is honoured and the notebook side
+re-forms the group after the cell; `rpc.init_rpc` a second time says what to do in one line.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+NOTE_PREFIX = "nbdist:"
+
+
+@dataclass
+class ScriptCallState:
+    """What the rank's own calls did to the world group in the running cell."""
+
+    destroyed: bool = False
+    noted_init: bool = False
+    noted_rpc: bool = False
+
+
+STATE = ScriptCallState()
+
+
+class IncompatibleInitError(RuntimeError):
+    """init_process_group asked for a group the cluster's existing one is not."""
+
+
+def install() -> None:
+    """Wrap torch.distributed's init/destroy and rpc.init_rpc (module attributes, so code that
+    runs `dist.init_process_group(...)` or imports the name afterwards gets the wrapper; nbdist's
+    own calls go through `distributed_c10d`, which stays untouched)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not hasattr(dist.init_process_group, "__nbdist_original__"):
+        dist.init_process_group = _wrap(distributed_c10d.init_process_group, _init_process_group)
+        dist.destroy_process_group = _wrap(distributed_c10d.destroy_process_group,
+                                           _destroy_process_group)
+    try:
+        from torch.distributed import rpc
+    except ImportError:  # a torch built without RPC: nothing to wrap
+        return
+    if rpc.is_available() and not hasattr(rpc.init_rpc, "__nbdist_original__"):
+        rpc.init_rpc = _wrap(rpc.init_rpc, _init_rpc)
+
+
+def _wrap(original: Any, replacement: Any) -> Any:
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return replacement(original, *args, **kwargs)
+
+    wrapper.__nbdist_original__ = original  # type: ignore[attr-defined]
+    return wrapper
+
+
+def cell_started() -> None:
+    STATE.destroyed = False
+    STATE.noted_init = False
+    STATE.noted_rpc = False
+
+
+def group_state() -> dict[str, Any] | None:
+    """For the cell's telemetry: None while the world group is as nbdist formed it."""
+    import torch.distributed as dist
+
+    initialized = dist.is_available() and dist.is_initialized()
+    if initialized and not STATE.destroyed:
+        return None
+    return {"initialized": initialized, "destroyed_by_cell": STATE.destroyed}
+
+
+def _init_process_group(original: Any, backend: str | None = None, *args: Any, **kwargs: Any) -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        # destroyed earlier in this cell and initialised again: the script's own rendezvous
+        return original(backend, *args, **kwargs)
+    differences = _differences(backend, kwargs)
+    if differences:
+        raise IncompatibleInitError(
+            "init_process_group: this rank is already in the cluster's process group "
+            f"({_describe_current()}), and the call asks for {'; '.join(differences)}. Drop the "
+            "call (the group exists), or start the cluster to match (%dist_start --backend ...)"
+        )
+    if not STATE.noted_init and dist.get_rank() == 0:
+        print(f"{NOTE_PREFIX} init_process_group() skipped: the cluster's process group is "
+              f"already up ({_describe_current()})")
+    STATE.noted_init = True
+    return None
+
+
+def _differences(backend: str | None, kwargs: dict[str, Any]) -> list[str]:
+    import torch.distributed as dist
+
+    found = []
+    current = str(dist.get_backend())
+    if backend is not None and not _backend_matches(str(backend), current):
+        found.append(f"backend {backend!r} (the group is {current!r})")
+    world_size = kwargs.get("world_size", -1)
+    if world_size not in (-1, None) and int(world_size) != dist.get_world_size():
+        found.append(f"world_size={world_size} (the cluster has {dist.get_world_size()} ranks)")
+    rank = kwargs.get("rank", -1)
+    if rank not in (-1, None) and int(rank) != dist.get_rank():
+        found.append(f"rank={rank} (this is rank {dist.get_rank()})")
+    return found
+
+
+def _backend_matches(asked: str, current: str) -> bool:
+    """'gloo' matches gloo; 'cpu:gloo,cuda:nccl' matches either of its backends."""
+    asked_names = {part.split(":")[-1].strip().lower() for part in asked.split(",")}
+    current_names = {part.split(":")[-1].strip().lower() for part in current.split(",")}
+    return bool(asked_names & current_names)
+
+
+def _describe_current() -> str:
+    import torch.distributed as dist
+
+    return f"{dist.get_backend()}, world size {dist.get_world_size()}, rank {dist.get_rank()}"
+
+
+def _destroy_process_group(original: Any, group: Any = None) -> None:
+    import torch.distributed as dist
+
+    if group is not None and group is not dist.GroupMember.WORLD:
+        return original(group)
+    if dist.is_initialized():
+        original()
+        STATE.destroyed = True
+    return None
+
+
+def _init_rpc(original: Any, name: str, *args: Any, **kwargs: Any) -> None:
+    """A second init_rpc while this rank's RPC agent runs under the same name is a no-op with a
+    note (a cell run twice); under another name it cannot work in one process: say so."""
+    from torch.distributed.rpc import api
+
+    if not api._is_current_rpc_agent_set():
+        return original(name, *args, **kwargs)
+    current = api._get_current_rpc_agent().get_worker_info().name
+    if current != name:
+        raise RuntimeError(
+            f"rpc.init_rpc({name!r}): RPC already runs on this rank as {current!r}, and torch "
+            "cannot run two RPC agents in one process. Call rpc.shutdown() on every rank first "
+            "(then init_rpc works again), or %dist_restart for fresh processes"
+        )
+    if not STATE.noted_rpc:
+        print(f"{NOTE_PREFIX} rpc.init_rpc({name!r}) skipped: RPC already runs on this rank "
+              "under that name (call rpc.shutdown() first to start it anew)")
+    STATE.noted_rpc = True
+    return None
