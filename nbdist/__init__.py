@@ -12,11 +12,10 @@ from typing import TYPE_CHECKING, Any
 from nbdist._version import __version__
 from nbdist.errors import NbdistWarning
 
-
 # public name -> module that defines it (imported on first access)
 _LAZY: dict[str, str] = {
     "Cluster": "nbdist.api",
-    "CellResult": "nbdist.cells.runner",
+    "CellResult": "nbdist.cells.result",
     "DistributedCellError": "nbdist.errors",
     "NbdistError": "nbdist.errors",
     "NbdistConfig": "nbdist.config",
@@ -35,10 +34,10 @@ __all__ = ["__version__", "NbdistWarning", "load_ipython_extension", *_LAZY]
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbdist.api import Cluster as Cluster
+    from nbdist.cells.result import CellResult as CellResult
     from nbdist.config import NbdistConfig as NbdistConfig
     from nbdist.errors import DistributedCellError as DistributedCellError
     from nbdist.errors import NbdistError as NbdistError
-    from nbdist.cells.runner import CellResult as CellResult
 
 
 def __getattr__(name: str) -> Any:

@@ -130,16 +130,28 @@ class FaultPolicy:
         """Classify failures (root cause vs consequence) and make the next cell work."""
         result = self.run.result
         cluster = self.cluster
-        if not result.errors and not self.ladder_ran and not self.torn_down:
+        destroyed = self.destroyed_by_cell()
+        if not result.errors and not self.ladder_ran and not self.torn_down and not destroyed:
             return
-        alive = [p.spec.rank for p in cluster.ranks if p.state == "alive"]
-        reports = cell_reports(cluster, alive) if cluster.running and not cluster.controller_lost else {}
-        classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
+        reports: dict[int, dict[str, Any]] = {}
+        if result.errors or self.ladder_ran or self.torn_down:
+            alive = [p.spec.rank for p in cluster.ranks if p.state == "alive"]
+            if cluster.running and not cluster.controller_lost:
+                reports = cell_reports(cluster, alive)
+            classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
         if cluster.controller_lost:
             return
-        self._recover(reports)
+        self._recover(reports, destroyed)
 
-    def _recover(self, reports: dict[int, dict[str, Any]]) -> None:
+    def destroyed_by_cell(self) -> list[int]:
+        """Ranks whose cell called dist.destroy_process_group() (a pasted script's last line):
+        honoured, then re-formed after the cell so that the next one can use dist again."""
+        return [
+            r for r in self.run.targets
+            if ((self.cluster.telemetry.last_payload.get(r) or {}).get("group") or {}).get("destroyed_by_cell")
+        ]
+
+    def _recover(self, reports: dict[int, dict[str, Any]], destroyed: list[int]) -> None:
         """Dead ranks: say how to restart. A broken group: rebuild it (gloo) or say how (NCCL)."""
         actions = self.run.result.actions
         cluster = self.cluster
@@ -150,22 +162,24 @@ class FaultPolicy:
                 "a full cluster with the same ranks, new processes and a new process group"
             )
             return
-        if not self._group_broken(reports):
+        if not destroyed and not self._group_broken(reports):
             return
-        if not self._recoverable_in_process():
+        if not self._recoverable_in_process() and not destroyed:
             actions.append(
                 f"the {cluster.backend} process group may be broken and cannot be recovered in-process: "
                 "run %dist_restart (Cluster.restart())"
             )
             return
+        why = (f"the cell destroyed the process group on rank(s) {format_ranks(destroyed)} "
+               "(dist.destroy_process_group()); " if destroyed else "")
         try:
             seconds = cluster.rebuild_process_group()
             actions.append(
-                f"process group rebuilt (generation {cluster.generation}) in {seconds:.2f} s: "
-                "the next cell can use dist as before"
+                f"{why}process group {'re-formed' if destroyed else 'rebuilt'} (generation "
+                f"{cluster.generation}) in {seconds:.2f} s: the next cell can use dist as before"
             )
         except Exception as exc:
-            actions.append(f"could not rebuild the process group ({exc}); run %dist_restart (Cluster.restart())")
+            actions.append(f"{why}could not rebuild the process group ({exc}); run %dist_restart (Cluster.restart())")
 
     def _group_broken(self, reports: dict[int, dict[str, Any]]) -> bool:
         """nbdist tore it down, a rank's group broke under it (a peer went away inside a

@@ -108,6 +108,7 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "pg_timeout": config.process_group_timeout,
         "generation": generation,
         "telemetry_interval": config.telemetry_interval,
+        "collective_report_interval": config.collective_report_interval,
         "telemetry_log_spacing": config.telemetry_log_spacing,
         "telemetry_start_delay": config.telemetry_start_delay,
         "socket_ifname": "lo" if master_addr.startswith("127.") else None,

@@ -37,10 +37,14 @@ class TelemetryHub:
 
     def publish(self, rank: int, payload: dict[str, Any]) -> None:
         previous = self.last_payload.get(rank)
-        if payload.get("reason") == "log" and previous is not None:
+        reason = payload.get("reason")
+        if reason == "log" and previous is not None:
             # a log() payload carries metrics only: keep the last tick's memory and "where",
-            # and its time, which says how fresh that "where" is (nbdist.cells.faults relies on it)
+            # and its time, which says how fresh that "where" is (nbdist.cells.policy relies on it)
             self.last_payload[rank] = {**previous, **payload, "t": previous.get("t")}
+        elif reason == "collective" and previous is not None:
+            # "where" only, taken now (its time is the new one): keep the last memory and metrics
+            self.last_payload[rank] = {**previous, **payload}
         else:
             self.last_payload[rank] = payload
         if payload.get("metrics"):

@@ -35,11 +35,17 @@ class TelemetryAgent:
         publish: Callable[[dict[str, Any]], None],
         log_spacing: float = LOG_SPACING,
         start_delay: float = NbdistConfig.telemetry_start_delay,
+        collective_interval: float = NbdistConfig.collective_report_interval,
     ) -> None:
         self.rank = rank
         self.interval = interval
         self.log_spacing = min(log_spacing, interval)
         self.start_delay = start_delay
+        self.collective_interval = collective_interval
+        self.blocked_since: Callable[[], float | None] | None = None
+        """When the rank's main thread entered the collective it still waits in (time.time()),
+        or None; while it waits, "where" is reported every `collective_interval` so that the
+        notebook knows within that time that a peer's failure leaves this rank blocked."""
         self._publish = publish
         self._providers: dict[str, Provider] = {}
         self._lock = threading.Lock()
@@ -152,6 +158,8 @@ class TelemetryAgent:
         while not self._stop.is_set():
             start_due = self._start_due
             due = next_tick if start_due is None else min(next_tick, start_due)
+            if self.cell_running and self.blocked_since is not None:
+                due = min(due, time.monotonic() + self.collective_interval)
             woken = self.wake.wait(max(0.0, due - time.monotonic()))
             if self._stop.is_set():
                 break
@@ -177,11 +185,21 @@ class TelemetryAgent:
                 self._last_publish = max(self._last_publish, time.monotonic())
                 continue
             if now < next_tick:
+                self._report_if_blocked(now)
                 continue
             self.wake.clear()
             next_tick = now + self.interval
             if self.cell_running:
                 self.publish_now("tick")
+
+
+    def _report_if_blocked(self, now: float) -> None:
+        """Between ticks: a light "where" payload while the rank waits inside a collective."""
+        since = self.blocked_since() if self.cell_running and self.blocked_since else None
+        if since is None or time.time() - since < self.collective_interval:
+            return
+        if now - self._last_publish >= self.collective_interval:
+            self.publish_now("collective", only=("where",))
 
 
 _AGENT: TelemetryAgent | None = None

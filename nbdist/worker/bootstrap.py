@@ -12,7 +12,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.worker import collectives, net, process_group, release, tracebacks
+from nbdist.worker import collectives, net, process_group, release, script_calls, tracebacks
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
@@ -122,6 +122,7 @@ def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
     import torch.distributed as dist
 
     collectives.install()
+    script_calls.install()  # a pasted script's init/destroy_process_group and rpc.init_rpc
     shell.user_ns.update(
         rank=spec["rank"],
         world_size=spec["world_size"],
@@ -137,8 +138,11 @@ def _start_telemetry(shell: Any, rank: int, options: dict[str, Any], device: Any
         rank, float(options["telemetry_interval"]), shell.data_pub.publish_data,
         log_spacing=float(options["telemetry_log_spacing"]),
         start_delay=float(options["telemetry_start_delay"]),
+        collective_interval=float(options["collective_report_interval"]),
     ))
+    agent.blocked_since = collectives.TRACKER.blocked_since
     agent.register("where", _where)
+    agent.register("group", script_calls.group_state)  # the cell destroyed the world group?
     # Both providers are part of nbdist and never raise: one that cannot work on this rank
     # records why in agent.provider_errors, and the rank comes up without it. The genuinely
     # optional piece (pynvml, for GPU memory beyond torch's allocator) is the sampler's to skip.
@@ -176,6 +180,7 @@ def _where() -> dict[str, Any] | None:
 
 def _pre_run_cell(*_: Any) -> None:
     collectives.TRACKER.reset_cell()
+    script_calls.cell_started()
     if RUNTIME.agent is not None:
         RUNTIME.agent.cell_started()
 
@@ -222,6 +227,7 @@ def cell_report() -> dict[str, Any]:
         "last_collective": None if last is None else {"name": last.name, "location": last.location},
         "collectives_entered": tracker.count,
         "pg_initialized": process_group.is_initialized(),
+        "group_broken": tracker.group_broken,
         "generation": RUNTIME.generation,
     }
 

@@ -91,6 +91,10 @@ class CollectiveTracker:
         self.last: CollectiveCall | None = None
         self.count = 0
         self.failed_in: CollectiveCall | None = None
+        self.group_broken = False
+        """A collective of this cell left the group unusable (a peer went away, or it was
+        interrupted midway): the notebook side rebuilds it after the cell. A collective that
+        merely rejected its arguments breaks nothing."""
         self.main_thread_id = threading.main_thread().ident
         self._depth = 0
 
@@ -99,6 +103,7 @@ class CollectiveTracker:
         self.last = None
         self.count = 0
         self.failed_in = None
+        self.group_broken = False
         self._depth = 0
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -116,7 +121,10 @@ class CollectiveTracker:
                 return fn(*args, **kwargs)
             except BaseException as exc:
                 tracker.failed_in = call
-                if not isinstance(exc, KeyboardInterrupt):
+                if isinstance(exc, KeyboardInterrupt):
+                    tracker.group_broken = True  # peers may have completed what this rank left
+                elif is_transport_failure(exc):
+                    tracker.group_broken = True
                     _release_broken_group(exc)
                 raise
             finally:
@@ -126,6 +134,11 @@ class CollectiveTracker:
 
         tracked.__nbdist_original__ = fn  # type: ignore[attr-defined]
         return tracked
+
+    def blocked_since(self) -> float | None:
+        """When the main thread entered the collective it is in now (time.time()), or None."""
+        current = self.current
+        return None if current is None else current.since
 
     def snapshot(self) -> dict[str, Any]:
         """Where the main thread is now: collective in flight, count, and its user-level stack."""
@@ -197,6 +210,7 @@ def record_implicit_failure(tracker: CollectiveTracker, exc: BaseException) -> C
     name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
     call = CollectiveCall(name, cell_line, time.time(), tracker.count)
     tracker.failed_in = call
+    tracker.group_broken = True
     _release_broken_group(exc)
     return call
 

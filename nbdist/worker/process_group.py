@@ -28,6 +28,7 @@ def init_generation(
     TCP store binds every interface. Across hosts: a TCP store on rank 0 (`master_addr:port`)."""
     import torch
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
     from nbdist.worker import release
 
@@ -42,7 +43,8 @@ def init_generation(
         kwargs["store"] = dist.FileStore(store_path, world_size)
     else:
         kwargs["init_method"] = f"tcp://{master_addr}:{port}"
-    dist.init_process_group(
+    # torch's own function: `dist.init_process_group` is the cells' wrapper (script_calls)
+    distributed_c10d.init_process_group(
         backend=backend,
         rank=rank,
         world_size=world_size,
@@ -87,7 +89,7 @@ def teardown() -> bool:
     except Exception:
         pass
     try:
-        dist.destroy_process_group()
+        distributed_c10d.destroy_process_group()
     except Exception:
         # a broken group can fail to destroy cleanly; what matters is that its sockets close
         pass

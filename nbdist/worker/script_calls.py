@@ -74,13 +74,16 @@ def group_state() -> dict[str, Any] | None:
     return {"initialized": initialized, "destroyed_by_cell": STATE.destroyed}
 
 
-def _init_process_group(original: Any, backend: str | None = None, *args: Any, **kwargs: Any) -> None:
+def _init_process_group(original: Any, *args: Any, **kwargs: Any) -> None:
+    import inspect
+
     import torch.distributed as dist
 
     if not dist.is_initialized():
         # destroyed earlier in this cell and initialised again: the script's own rendezvous
-        return original(backend, *args, **kwargs)
-    differences = _differences(backend, kwargs)
+        return original(*args, **kwargs)
+    asked = inspect.signature(original).bind_partial(*args, **kwargs).arguments
+    differences = _differences(asked)
     if differences:
         raise IncompatibleInitError(
             "init_process_group: this rank is already in the cluster's process group "
@@ -94,17 +97,20 @@ def _init_process_group(original: Any, backend: str | None = None, *args: Any, *
     return None
 
 
-def _differences(backend: str | None, kwargs: dict[str, Any]) -> list[str]:
+def _differences(asked: dict[str, Any]) -> list[str]:
+    """What an init_process_group call asks for that the existing group is not (its rendezvous
+    arguments, init_method/store/timeout, do not matter once the group exists)."""
     import torch.distributed as dist
 
     found = []
     current = str(dist.get_backend())
+    backend = asked.get("backend")
     if backend is not None and not _backend_matches(str(backend), current):
         found.append(f"backend {backend!r} (the group is {current!r})")
-    world_size = kwargs.get("world_size", -1)
+    world_size = asked.get("world_size", -1)
     if world_size not in (-1, None) and int(world_size) != dist.get_world_size():
         found.append(f"world_size={world_size} (the cluster has {dist.get_world_size()} ranks)")
-    rank = kwargs.get("rank", -1)
+    rank = asked.get("rank", -1)
     if rank not in (-1, None) and int(rank) != dist.get_rank():
         found.append(f"rank={rank} (this is rank {dist.get_rank()})")
     return found

@@ -17,8 +17,8 @@ def main() -> None:
     want = common.figures(args)
     from IPython.core.interactiveshell import InteractiveShell
 
-    from nbdist.notebook import magics as nbmagics
     from nbdist.errors import DistributedCellError
+    from nbdist.notebook import magics as nbmagics
 
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "nbdist")
