@@ -29,6 +29,9 @@ _SHEBANG = "#!/usr/bin/env python\n"
 _MAX_LABELS_SHOWN = 4
 """A loop's header names its cells up to this many; more are written as ``first, ..., last``."""
 
+_CELL_BOUNDARY = "_cell_boundary()"
+"""Ends every exported cell: the template's barrier (only while a process group exists)."""
+
 _SCRIPT_END = "\nif dist.is_initialized():\n    dist.barrier()  # every rank reaches the end before the group goes\n"
 
 
@@ -107,9 +110,13 @@ def _cell_block(cell: DistributedCell, labels: list[str]) -> str:
         note = (f"# left out: this cell failed in the notebook ({cell.failed});\n"
                 "# whatever it did on the ranks before it failed is not reproduced here.\n")
         return f"\n{header} ---\n{note}" + textwrap.indent(body, "# ", lambda line: True) + "\n"
+    # In the notebook every rank finished a cell before any started the next (rank 0 writes a
+    # file in one cell, the others read it in the next); a script's ranks run free: a barrier
+    # at each cell boundary keeps the notebook's order
+    body = f"{body or 'pass'}\n{_CELL_BOUNDARY}"
     if len(labels) > 1:
         body = (f"for _nbdist_run in range({len(labels)}):  # the notebook ran this cell "
-                f"{len(labels)} times in a row\n" + textwrap.indent(body or "pass", "    "))
+                f"{len(labels)} times in a row\n" + textwrap.indent(body, "    "))
     return f"\n{header} ---\n{body}\n"
 
 
@@ -147,14 +154,22 @@ def _script_body(source: str) -> str:
     except SyntaxError:
         return body  # let Python report it where the user can see the line
     last = tree.body[-1] if tree.body else None
-    if isinstance(last, ast.Expr) and last.col_offset == 0 and not body.endswith(";"):
-        if not _is_call_of(last.value, {"print", "display"}):
-            body_lines = body.splitlines()
-            start, end = last.lineno - 1, (last.end_lineno or last.lineno)
-            expr = "\n".join(body_lines[start:end])
-            body_lines[start:end] = [f"_show({expr})"]
-            body = "\n".join(body_lines)
+    if (isinstance(last, ast.Expr) and last.col_offset == 0 and not _ends_with_semicolon(body, last)
+            and not _is_call_of(last.value, {"print", "display"})):
+        body_lines = body.splitlines()
+        start, end = last.lineno - 1, (last.end_lineno or last.lineno)
+        expr = ast.get_source_segment(body, last.value) or ""
+        # what follows the expression on its last line (a comment) stays after the call
+        after = body_lines[end - 1][last.end_col_offset or 0:]
+        body_lines[start:end] = [f"_show({expr}){after}"]
+        body = "\n".join(body_lines)
     return body
+
+
+def _ends_with_semicolon(body: str, last: ast.stmt) -> bool:
+    """`x;` hides a notebook cell's value; a comment after it does not change that."""
+    line = body.splitlines()[(last.end_lineno or last.lineno) - 1]
+    return line[last.end_col_offset or 0:].lstrip().startswith(";")
 
 
 def _is_call_of(node: ast.expr, names: set[str]) -> bool:

@@ -8,6 +8,7 @@ re-forms the group after the cell; `rpc.init_rpc` a second time says what to do 
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +22,8 @@ class ScriptCallState:
     destroyed: bool = False
     noted_init: bool = False
     noted_rpc: bool = False
+    rpc_started_before: bool = False
+    """RPC was started in this process before (never reset: torch's RRef context outlives it)."""
 
 
 STATE = ScriptCallState()
@@ -146,6 +149,12 @@ def _init_rpc(original: Any, name: str, *args: Any, **kwargs: Any) -> None:
     from torch.distributed.rpc import api
 
     if not api._is_current_rpc_agent_set():
+        if STATE.rpc_started_before and os.environ.get("RANK") == "0":
+            print(f"{NOTE_PREFIX} RPC starts again in this process: calls and distributed "
+                  "autograd work, but torch keeps its RRef context bound to the first agent, so "
+                  "passing RRefs or RemoteModules between workers can fail; %dist_restart gives "
+                  "fresh processes")
+        STATE.rpc_started_before = True
         return original(name, *args, **kwargs)
     current = api._get_current_rpc_agent().get_worker_info().name
     if current != name:

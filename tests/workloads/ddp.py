@@ -39,8 +39,8 @@ losses = []
 
 
 def train_step(step):
-    xb = X_local[step * args.batch:(step + 1) * args.batch]
-    yb = Y_local[step * args.batch:(step + 1) * args.batch]
+    xb = X_local[step * args.batch : (step + 1) * args.batch]
+    yb = Y_local[step * args.batch : (step + 1) * args.batch]
     optimizer.zero_grad()
     loss = loss_fn(ddp_model(xb), yb)
     loss.backward()  # gradients are all-reduced (averaged) across ranks here

@@ -84,8 +84,8 @@ def checksum(model, optimizer):
 
 def train(model, optimizer, first_step, n_steps, phase):
     for step in range(first_step, first_step + n_steps):
-        xb = X_local[step * args.batch:(step + 1) * args.batch]
-        yb = Y_local[step * args.batch:(step + 1) * args.batch]
+        xb = X_local[step * args.batch : (step + 1) * args.batch]
+        yb = Y_local[step * args.batch : (step + 1) * args.batch]
         optimizer.zero_grad()
         loss = loss_fn(model(xb), yb)
         loss.backward()
@@ -119,7 +119,8 @@ dcp.load(state, checkpoint_id=ckpt_dir)
 set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
 loaded_checksum = checksum(model, optimizer)
 assert abs(loaded_checksum - saved_checksum) <= 1e-9 * max(1.0, abs(saved_checksum)), (
-    f"reload mismatch: {loaded_checksum} != {saved_checksum}")
+    f"reload mismatch: {loaded_checksum} != {saved_checksum}"
+)
 if rank == 0:
     print(f"reloaded from {ckpt_dir}, checksum {loaded_checksum:.6f} matches", flush=True)
 train(model, optimizer, args.steps, args.steps, phase=2)

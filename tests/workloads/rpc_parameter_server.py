@@ -139,8 +139,10 @@ print(f"rank {rank}: rpc up as {worker_name(rank)}", flush=True)
 # %%
 if rank == MASTER:
     remote_emb_module = RemoteModule(
-        f"{worker_name(PS)}/cpu", nn.EmbeddingBag,
-        args=(NUM_EMBEDDINGS, EMBEDDING_DIM), kwargs={"mode": "sum"},
+        f"{worker_name(PS)}/cpu",
+        nn.EmbeddingBag,
+        args=(NUM_EMBEDDINGS, EMBEDDING_DIM),
+        kwargs={"mode": "sum"},
     )
     futs = [
         rpc.rpc_async(worker_name(t), _run_trainer, args=(remote_emb_module, t), timeout=0)

@@ -13,8 +13,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 HERE = Path(__file__).resolve().parent
 
@@ -71,20 +71,33 @@ def run_torchrun(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "torch.distributed.run",
-        "--standalone", "--nproc-per-node", str(nproc),
-        str(script), *[str(a) for a in args],
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(nproc),
+        str(script),
+        *[str(a) for a in args],
     ]
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["NBDIST_WORKLOAD_OUT"] = str(out)
     try:
         proc = subprocess.run(
-            cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, timeout=timeout,
+            cmd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=timeout,
         )
     except subprocess.TimeoutExpired as exc:
-        tail = exc.output if isinstance(exc.output, str) else (exc.output or b"").decode(errors="replace")
+        tail = (
+            exc.output
+            if isinstance(exc.output, str)
+            else (exc.output or b"").decode(errors="replace")
+        )
         raise RuntimeError(
             f"torchrun {Path(script).name} timed out after {timeout}s:\n{tail[-4000:]}"
         ) from exc
@@ -125,7 +138,7 @@ def assert_losses_close(
     for r in a:
         la, lb = list(a[r]), list(b[r])
         assert len(la) == len(lb), f"rank {r}: {len(la)} losses vs {len(lb)}"
-        for i, (x, y) in enumerate(zip(la, lb)):
+        for i, (x, y) in enumerate(zip(la, lb, strict=True)):
             if not math.isclose(x, y, rel_tol=rel, abs_tol=0.0):
                 raise AssertionError(
                     f"rank {r} step {i}: {x!r} vs {y!r} (rel {abs(x - y) / max(abs(x), abs(y), 1e-300):.3g} > {rel})"

@@ -51,7 +51,7 @@ class FeedForward(nn.Module):
 # identical data on every rank (TP ranks see the same batch)
 data_gen = torch.Generator().manual_seed(99)
 X = torch.randn(args.steps, args.batch, args.seq, args.dim, generator=data_gen)
-A = torch.randn(args.dim, args.dim, generator=data_gen) / args.dim ** 0.5
+A = torch.randn(args.dim, args.dim, generator=data_gen) / args.dim**0.5
 Y = torch.tanh(X @ A)
 loss_fn = nn.MSELoss()
 losses = []

@@ -80,7 +80,10 @@ class Trainer:
         self.train_data.sampler.set_epoch(epoch)
         for source, targets in self.train_data:
             last = self._run_batch(source, targets, epoch)
-        print(f"rank {self.global_rank} epoch {epoch} steps {len(self.train_data)} last loss {last:.6f}", flush=True)
+        print(
+            f"rank {self.global_rank} epoch {epoch} steps {len(self.train_data)} last loss {last:.6f}",
+            flush=True,
+        )
 
     def train(self, max_epochs):
         for epoch in range(self.epochs_run, max_epochs):
@@ -106,7 +109,9 @@ def load_train_objs():
 
 def prepare_dataloader(dataset, batch_size):
     return DataLoader(
-        dataset, batch_size=batch_size, shuffle=False,
+        dataset,
+        batch_size=batch_size,
+        shuffle=False,
         sampler=DistributedSampler(dataset, shuffle=True, seed=7),
     )
 

@@ -55,7 +55,32 @@ def _setup_rank():
     dist.init_process_group(backend, rank=rank, world_size=world_size,
                             device_id=device if backend == "nccl" else None)
     atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    _free_the_rendezvous_port(rank)
     return rank, world_size, local_rank, device
+
+
+def _free_the_rendezvous_port(rank):
+    """In a notebook cell, MASTER_PORT is free and no agent store exists, so a cell's own
+    rendezvous (rpc.init_rpc with env:// or tcp://, a second process group) has rank 0 host its
+    store. Under torchrun, TORCHELASTIC_USE_AGENT_STORE makes every rank a client of torchrun's
+    store instead, and a tcp:// rendezvous on another port then waits for a server that never
+    comes. So: the same as the notebook, a fresh MASTER_PORT chosen by rank 0, no agent store."""
+    import socket
+
+    port = [None]
+    if rank == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            port = [s.getsockname()[1]]
+    dist.broadcast_object_list(port, src=0)
+    os.environ["MASTER_PORT"] = str(port[0])
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+
+
+def _cell_boundary():
+    """Where one notebook cell ended: every rank had finished it before any began the next."""
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def display(*values):
