@@ -22,14 +22,11 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.test_dashboard_notebook import dashboard_notebook
-
 pytestmark = pytest.mark.browser
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run"]
-ARTIFACTS = Path(__file__).parent / "artifacts"
 
 
 def _free_port() -> int:
@@ -96,13 +93,23 @@ def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
         yield _notebook_url(server, "dashboard.ipynb"), tmp_path
 
 
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    """Screenshots and logs for a human to look at: under the test's tmp_path (pytest keeps the
+    last three runs' directories), never in the repository."""
+    path = tmp_path / "artifacts"
+    path.mkdir()
+    print(f"browser artifacts: {path}")
+    return path
+
+
 @pytest.mark.timeout(300)
-def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path]) -> None:
+def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], dashboard_notebook,
+                                              artifacts: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     url, root = jupyterlab
     nbformat.write(dashboard_notebook(seconds=10.0), root / "dashboard.ipynb")
-    ARTIFACTS.mkdir(exist_ok=True)
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -145,7 +152,7 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path]) -> N
                             rows: root.querySelectorAll('tr.nbd-rank').length,
                             memoryPoints: +root.querySelector('.nbd-memory-canvas').dataset.points};
                 }""")
-                path = ARTIFACTS / f"dashboard_live_{index}.png"
+                path = artifacts / f"dashboard_live_{index}.png"
                 page.locator(".nbdist-dash").first.screenshot(path=str(path))
                 shots.append(state)
             first, second = shots
@@ -163,18 +170,18 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path]) -> N
                 timeout=30_000)
             final = _static_chart(page)
             assert final["svg"] and "idle" in final["alt"] and "running" not in final["alt"], final
-            page.locator("img.nbdist-static-img").first.screenshot(path=str(ARTIFACTS / "dashboard_final.png"))
+            page.locator("img.nbdist-static-img").first.screenshot(path=str(artifacts / "dashboard_final.png"))
             latencies = page.evaluate("() => window.__b6")
             summary = {"screens": shots, "b6_browser_ms": {
                 "samples": len(latencies),
                 "median": 1e3 * statistics.median(latencies),
                 "max": 1e3 * max(latencies)}}
-            (ARTIFACTS / "dashboard_browser.json").write_text(json.dumps(summary, indent=1))
+            (artifacts / "dashboard_browser.json").write_text(json.dumps(summary, indent=1))
             print(json.dumps(summary))
             assert len(latencies) >= 5 and statistics.median(latencies) < 2.0, summary
         finally:
             browser.close()
-    shutil.copy(root / "jupyterlab.log", ARTIFACTS / "jupyterlab.log")
+    shutil.copy(root / "jupyterlab.log", artifacts / "jupyterlab.log")
 
 
 def _static_chart(page: object) -> dict[str, object]:
@@ -193,7 +200,8 @@ def _static_chart(page: object) -> dict[str, object]:
 
 
 @pytest.mark.timeout(300)
-def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: Path) -> None:
+def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: Path, dashboard_notebook,
+                                                                      artifacts: Path) -> None:
     """Executed by nbclient, opened in JupyterLab where no kernel can start: the final SVG shows,
     in an untrusted notebook (as nbclient leaves it) and in a trusted one, with no widget error."""
     _browser_tools()
@@ -211,7 +219,6 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
     nb.metadata.pop("signature", None)
     nb.metadata["nbdist_test"] = "unsigned copy"
     nbformat.write(nb, tmp_path / "untrusted.ipynb")
-    ARTIFACTS.mkdir(exist_ok=True)
     # no kernelspec is allowed: JupyterLab can start no kernel and offers "No Kernel" only
     options = ("--KernelSpecManager.allowed_kernelspecs=nbdist-no-kernel",
                f"--NotebookNotary.data_dir={tmp_path / 'notary'}")
@@ -244,7 +251,7 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
                     "() => window.jupyterapp.shell.currentWidget.content.widgets[1].model.trusted")
                 chart = _static_chart(page)
                 page.locator("img.nbdist-static-img").first.screenshot(
-                    path=str(ARTIFACTS / f"dashboard_saved_{name}.png"))
+                    path=str(artifacts / f"dashboard_saved_{name}.png"))
                 seen[name] = {key: value for key, value in chart.items() if key != "text"}
                 assert kernel is None, (name, kernel)
                 assert trusted == (name == "trusted"), (name, trusted)
@@ -255,5 +262,5 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
                 page.close()
         finally:
             browser.close()
-    shutil.copy(tmp_path / "jupyterlab.log", ARTIFACTS / "jupyterlab_saved.log")
+    shutil.copy(tmp_path / "jupyterlab.log", artifacts / "jupyterlab_saved.log")
     print(json.dumps(seen))

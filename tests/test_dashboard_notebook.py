@@ -11,33 +11,6 @@ from pathlib import Path
 import nbformat
 import pytest
 
-TRAIN_CELL = """%%distributed
-import time, torch, nbdist
-layer = torch.nn.Linear(64, 64)
-opt = torch.optim.SGD(layer.parameters(), lr=0.05)
-data = torch.randn(32, 64)
-end = time.time() + {seconds}
-step = 0
-while time.time() < end:
-    loss = layer(data).pow(2).mean()
-    opt.zero_grad(); loss.backward(); opt.step()
-    nbdist.log(step=step, loss=loss, wall=time.time())
-    step += 1
-    time.sleep(0.02)
-"""
-
-
-def dashboard_notebook(seconds: float, ranks: int = 2) -> nbformat.NotebookNode:
-    """Start a cluster, train for ``seconds`` with ``nbdist.log``, stop the cluster."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell(f"%load_ext nbdist\n%dist_start -n {ranks}"),
-        nbformat.v4.new_code_cell(TRAIN_CELL.format(seconds=seconds)),
-        nbformat.v4.new_code_cell("%dist_stop\nprint('NBDIST-STOPPED')"),
-    ]
-    return nb
-
 
 def _svg_outputs(cell: nbformat.NotebookNode) -> list[str]:
     return [out["data"]["image/svg+xml"] for out in cell.get("outputs", [])
@@ -45,7 +18,7 @@ def _svg_outputs(cell: nbformat.NotebookNode) -> list[str]:
 
 
 @pytest.mark.timeout(240)
-def test_headless_execution_saves_the_final_svg(tmp_path: Path) -> None:
+def test_headless_execution_saves_the_final_svg(tmp_path: Path, dashboard_notebook) -> None:
     from nbclient import NotebookClient
     from nbconvert import HTMLExporter
 

@@ -15,7 +15,6 @@ import torch
 
 import nbdist
 from nbdist import Cluster
-from tests.test_strategies import MODEL_CODE, PSI, assert_consolidated_file_reproduces
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -23,13 +22,8 @@ pytestmark = [
 ]
 
 
-@pytest.fixture(scope="module")
-def ranks2(cluster2: Cluster) -> Cluster:
-    cluster2.run(MODEL_CODE).raise_for_errors()
-    return cluster2
-
-
-def test_zero_stages_match_the_formulas_beside_ddp_and_fsdp(ranks2: Cluster):
+def test_zero_stages_match_the_formulas_beside_ddp_and_fsdp(ranks2: Cluster, small_model_psi: int):
+    psi = small_model_psi
     ranks2.run(
         "cmp = nbdist.compare_strategies(Net, x, loss_fn, "
         "strategies=('ddp', 'zero1', 'zero2', 'zero3', 'fsdp'), steps=2)\nrows, text = cmp.rows, cmp.table()"
@@ -41,9 +35,9 @@ def test_zero_stages_match_the_formulas_beside_ddp_and_fsdp(ranks2: Cluster):
         assert row["losses"][-1] < row["losses"][0]
     by = {(r["strategy"], r["rank"]): r for r in rows}
     # ZeRO-1 shards the optimizer only; ZeRO-2 adds gradients; ZeRO-3 parameters too
-    assert by[("zero1", 0)]["params"] == by[("ddp", 0)]["params"] == 4 * PSI
+    assert by[("zero1", 0)]["params"] == by[("ddp", 0)]["params"] == 4 * psi
     assert by[("zero2", 0)]["grads"] < by[("zero1", 0)]["grads"]
-    assert by[("zero3", 1)]["params"] == pytest.approx(4 * PSI / 2, rel=0.01)
+    assert by[("zero3", 1)]["params"] == pytest.approx(4 * psi / 2, rel=0.01)
 
 
 # Each rank measures one ZeRO stage at the points of a step where its model states differ, in
@@ -73,13 +67,14 @@ def zero_breakdown(stage):
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_breakdown_per_stage_matches_the_zero_paper(ranks2: Cluster, stage: int):
+def test_breakdown_per_stage_matches_the_zero_paper(ranks2: Cluster, stage: int, small_model_psi: int):
+    psi = small_model_psi
     ranks2.run(BREAKDOWN_CODE + f"rows, same = zero_breakdown({stage})").raise_for_errors()
     rows, same = ranks2.pull("rows")[0], ranks2.pull("same")[0]
-    unit = 4 * PSI  # fp32 bytes of the whole model; N = 2 ranks
+    unit = 4 * psi  # fp32 bytes of the whole model; N = 2 ranks
     table = {point: {k: round((r[k] or 0) / unit, 3) for k in ("params", "grads", "optimizer", "gathered")}
              for point, r in rows.items()}
-    expected = nbdist.estimate_memory(PSI, 2, f"zero{stage}", precision="fp32")
+    expected = nbdist.estimate_memory(psi, 2, f"zero{stage}", precision="fp32")
     for point, r in rows.items():
         # params: the whole fp32 model (stage 1/2) or this rank's partition (stage 3), never a
         # gathered copy; optimizer: fp32 master partition + Adam's two moments, 12Ψ/N
@@ -101,13 +96,14 @@ def test_breakdown_per_stage_matches_the_zero_paper(ranks2: Cluster, stage: int)
     assert same  # and training goes on exactly as without the measurements
 
 
-def test_zero3_ranks_hold_half_and_agree_on_outputs(ranks2: Cluster):
+def test_zero3_ranks_hold_half_and_agree_on_outputs(ranks2: Cluster, small_model_psi: int):
+    psi = small_model_psi
     ranks2.run(
         "p = build('deepspeed', zero_stage=3)\nlosses = train(p)\n"
         "shard = sum(q.ds_tensor.numel() for q in p.model.module.parameters())\n"
         "with torch.no_grad(): out = p.model(probe)\np.model.destroy()"
     ).raise_for_errors()
-    assert ranks2.pull("shard") == {0: PSI // 2, 1: PSI // 2}
+    assert ranks2.pull("shard") == {0: psi // 2, 1: psi // 2}
     out = ranks2.pull("out")
     assert torch.equal(out[0], out[1])
     assert all(v[-1] < v[0] for v in ranks2.pull("losses").values())
@@ -123,7 +119,8 @@ def test_offload_bf16_and_recompute_train(ranks2: Cluster):
     assert all(v[-1] < v[0] for v in ranks2.pull("losses").values())
 
 
-def test_checkpoint_round_trip_and_consolidation(ranks2: Cluster, tmp_path: Path):
+def test_checkpoint_round_trip_and_consolidation(ranks2: Cluster, tmp_path: Path,
+                                                  assert_consolidated_file_reproduces) -> None:
     ranks2.push({"ckpt": str(tmp_path / "zero2")})
     ranks2.run(
         "p = build('deepspeed', zero_stage=2)\ntrain(p, 2)\n"

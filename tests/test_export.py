@@ -18,7 +18,6 @@ from nbdist import export
 from nbdist.cluster import free_port
 from nbdist.errors import NbdistError
 from nbdist.notebook import magics
-from tests.conftest import assert_all_gone
 
 TRAIN_CELLS = [
     "%load_ext nbdist",
@@ -165,8 +164,9 @@ def test_repeated_cells_loop_and_failed_cells_stay_as_comments() -> None:
             "# whatever it did on the ranks before it failed is not reproduced here.\n"
             "# if rank in (0,):\n#     step += 1\n") in script
     assert "# --- In[5], In[6]: %%distributed" in script  # the runs after the failure, together
-    namespace: dict[str, object] = {"rank": 0, "_show": lambda value: None}
-    exec(script[script.index("# --- In[1]"):script.index("if dist.is_initialized()")], namespace)
+    namespace: dict[str, object] = {"rank": 0, "_show": lambda value: None,
+                                    "_cell_boundary": lambda: None}
+    exec(script[script.index("# --- In[1]"):script.rindex("if dist.is_initialized()")], namespace)
     assert namespace["step"] == 4  # 5 runs in the notebook, one of them failed
 
 
@@ -283,7 +283,8 @@ NOTEBOOK_SESSION = [
 ]
 
 
-def test_exported_notebook_session_trains_the_same_under_torchrun(tmp_path: Path, capsys) -> None:
+def test_exported_notebook_session_trains_the_same_under_torchrun(tmp_path: Path, capsys,
+                                                                  assert_all_gone) -> None:
     """A real session (pushes, a training cell run 3 times, a failing cell, a rank-0 cell) is
     exported by %dist_export; torchrun with 2 gloo ranks reaches the notebook's losses."""
     ip = get_ipython()
@@ -324,3 +325,49 @@ def test_exported_notebook_session_trains_the_same_under_torchrun(tmp_path: Path
     assert losses[-1] < 0.5 * losses[0]
     assert out.count("only rank 0 saves 0") == 1
     assert out.count("] True") == 2, out  # DDP kept the replicas identical
+
+
+HANDOFF_CELLS = [
+    # rank 0 writes a file late; the others read it in the next cell (a race without a barrier)
+    "%%distributed\nimport time\nif rank == 0:\n    time.sleep(1.5)\n    with open('handoff.txt', 'w') as f:\n"
+    "        f.write('from rank 0')\n",
+    "%%distributed\nwith open('handoff.txt') as f:\n    text = f.read()\n",
+    "%%distributed\nlen(text)  # a trailing comment after the cell's value\n",
+    # RPC on its own tcp:// rendezvous, as the notebook allows (rank 0 hosts that store)
+    "%%distributed\nimport os\nfrom torch.distributed import rpc\n"
+    "url = f\"tcp://127.0.0.1:{int(os.environ['MASTER_PORT']) + 1}\"\n"
+    "rpc.init_rpc(f'w{rank}', rank=rank, world_size=world_size,\n"
+    "             rpc_backend_options=rpc.TensorPipeRpcBackendOptions(init_method=url))\n"
+    "peer_sum = rpc.rpc_sync(f'w{(rank + 1) % world_size}', torch.add, args=(torch.ones(1), rank)).item()\n"
+    "rpc.shutdown()\nprint(f'rank {rank} rpc {peer_sum}')\n",
+]
+
+
+def test_exported_cells_keep_the_notebook_order_rendezvous_and_values(tmp_path: Path, cluster2) -> None:
+    """The same cells three ways: in the notebook (cells), exported under torchrun, and the
+    exported script through %dist_run. A file handed from rank 0 to the others across a cell
+    boundary, a value with a trailing comment and RPC over tcp:// give the same output."""
+    steps = export.script_steps([(f"In[{i}]", s) for i, s in enumerate(HANDOFF_CELLS, 1)], 2)
+    target = export.write_script(tmp_path / "handoff.py", steps, nproc=2)
+    compile(target.read_text(), str(target), "exec")
+    assert target.read_text().count("\n_cell_boundary()") == len(HANDOFF_CELLS)
+
+    code, out = torchrun(target, tmp_path)
+    assert code == 0, out
+    assert out.count("[rank 0] 11") == 1 and out.count("[rank 1] 11") == 1, out
+    assert "rank 0 rpc 1.0" in out and "rank 1 rpc 2.0" in out, out
+
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # the ranks work in the notebook's directory: the cells' relative path
+    try:
+        cluster2.run(f"import os\nos.chdir({str(tmp_path)!r})").raise_for_errors()
+        in_cells = [cluster2.run(source.split("\n", 1)[1], timeout=60).raise_for_errors()
+                    for source in HANDOFF_CELLS]
+        assert in_cells[2].grouped_values() == [([0, 1], "11")]
+        assert "rank 1 rpc 2.0" in in_cells[3].stdout[1]
+        (tmp_path / "handoff.txt").unlink()
+        through_run = cluster2.run_script(str(target), timeout=120).raise_for_errors()
+        assert "[rank 1] 11" in through_run.stdout[1] and "rank 0 rpc 1.0" in through_run.stdout[0]
+    finally:
+        cluster2.run(f"os.chdir({cwd!r})")
+        os.chdir(cwd)

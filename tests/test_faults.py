@@ -1,4 +1,4 @@
-"""FAULTS.md scenarios on CPU/gloo with real engines. After each: the next collective works
+"""docs/FAULTS.md scenarios on CPU/gloo with real engines. After each: the next collective works
 (directly or after one restart) and no process is orphaned. Time bounds are loose (noisy 2-core
 machine) but far below the 30 s process-group timeout used here."""
 
@@ -16,7 +16,6 @@ import psutil
 import pytest
 
 from nbdist import Cluster
-from tests.conftest import FAST, assert_all_gone
 
 ALL_REDUCE_OK = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
 
@@ -115,7 +114,7 @@ def test_row1_barrier_variant_and_subset(cluster: Cluster):
     assert_collective_works(cluster)
 
 
-def test_row2_sigkill_during_all_reduce(cluster: Cluster):
+def test_row2_sigkill_during_all_reduce(cluster: Cluster, assert_all_gone):
     old_pids = {p.spec.rank: p.pid for p in cluster.ranks}
     code = (
         "import os, time\nprint('rank', rank, 'about to reduce', flush=True)\n"
@@ -246,7 +245,7 @@ def test_row8_segfault_is_reported_with_its_signal(cluster: Cluster):
     assert_collective_works(cluster)
 
 
-def test_row9_controller_killed(cluster: Cluster):
+def test_row9_controller_killed(cluster: Cluster, assert_all_gone):
     controller_pid = cluster._controller_pid[0]
     # its schedulers and heart monitor are forked children: orphaned by the kill, they must
     # still be stopped (they were left running before: 8 per kill)
@@ -287,8 +286,8 @@ def test_row11_stale_files_and_busy_ports_do_not_block_start(cluster_factory, tm
         squatter.close()
 
 
-def test_row13_200kb_of_stderr_never_blocks(cluster: Cluster):
-    small = FAST.replace(max_output_chars=50_000)
+def test_row13_200kb_of_stderr_never_blocks(cluster: Cluster, fast_config):
+    small = fast_config.replace(max_output_chars=50_000)
     cluster.config, saved = small, cluster.config
     try:
         result = cluster.run("import sys\nsys.stderr.write('x' * 200_000 + '\\n')\n'done'", timeout=60)
@@ -325,7 +324,7 @@ def test_row15_security_probe(cluster: Cluster):
         assert all(key not in text for text in outputs)
 
 
-def test_row10_kernel_killed_leaves_no_orphans(tmp_path):
+def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
     script = tmp_path / "kernel.py"
     script.write_text(
         "import sys, time\n"
@@ -349,11 +348,11 @@ def test_row10_kernel_killed_leaves_no_orphans(tmp_path):
 
 
 @pytest.mark.slow
-def test_row14_thirty_cycles_leak_nothing(tmp_path):
+def test_row14_thirty_cycles_leak_nothing(tmp_path, fast_config, assert_all_gone):
     me = psutil.Process()
     fds_before = me.num_fds()
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
-    cluster = Cluster(n=2, config=FAST).start()
+    cluster = Cluster(n=2, config=fast_config).start()
     workdirs = {cluster._workdir}  # its own only: other clusters may run beside the test
     try:
         for cycle in range(30):

@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from nbdist import Cluster
-from tests.conftest import FAST
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -31,8 +30,8 @@ needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs (NCCL: one rank 
 
 
 @pytest.fixture(scope="module")
-def gpu_cluster():
-    cluster = Cluster(config=FAST).start()
+def gpu_cluster(fast_config):
+    cluster = Cluster(config=fast_config).start()
     try:
         yield cluster
     finally:

@@ -24,7 +24,6 @@ from nbdist.cluster.launchers import (
     ssh_engine_hosts,
 )
 from nbdist.errors import NbdistError
-from tests.conftest import FAST
 
 ENGINE = [sys.executable, "-m", "nbdist.worker.engine"]
 
@@ -230,7 +229,7 @@ def _shell():
     return shell
 
 
-def test_attach_uses_engines_it_did_not_start_and_never_kills_them(tmp_path):
+def test_attach_uses_engines_it_did_not_start_and_never_kills_them(tmp_path, fast_config):
     """`ipcluster start` stand-in: an ipyparallel cluster started here, outside nbdist."""
     import logging
 
@@ -243,7 +242,7 @@ def test_attach_uses_engines_it_did_not_start_and_never_kills_them(tmp_path):
         user_pids = [la.pid for es in user_cluster.engines.values() for la in es.launchers.values()]
         user_pids.append(user_cluster.controller.pid)
         cluster = Cluster.attach(profile_dir=str(tmp_path / "profile"),
-                                 cluster_id=user_cluster.cluster_id, config=FAST)
+                                 cluster_id=user_cluster.cluster_id, config=fast_config)
         try:
             assert cluster.world_size == 2 and cluster.all_pids() == []
             result = cluster.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()")

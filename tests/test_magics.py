@@ -10,11 +10,10 @@ from IPython.testing import globalipapp
 from nbdist.errors import NbdistError
 from nbdist.notebook import magics
 from nbdist.notebook.options import launcher_kwargs, push_values
-from tests.conftest import assert_all_gone
 
 
 @pytest.fixture(scope="module")
-def ip():
+def ip(assert_all_gone):
     # start_ipython() returns None once another module (test_export) started the shell
     shell = globalipapp.start_ipython() or globalipapp.get_ipython()
     shell.run_line_magic("load_ext", "nbdist")
@@ -59,7 +58,7 @@ def test_bad_start_arguments(ip, line, message):
     assert magics.current_cluster() is None
 
 
-def test_session(ip, capsys):
+def test_session(ip, capsys, assert_all_gone):
     ip.run_line_magic("dist_start", "-n 2")
     out = capsys.readouterr().out
     assert "2 rank(s) ready (gloo)" in out and "rank  local  host" in out

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from nbdist import Cluster
-from tests.conftest import FAST, assert_all_gone
 
 pytestmark = pytest.mark.mpi
 
@@ -26,11 +25,11 @@ MPI_ARGS = ["--oversubscribe", "--bind-to", "none"] + (["--allow-run-as-root"] i
 
 
 @pytest.fixture(scope="module")
-def mpi_cluster():
+def mpi_cluster(fast_config, assert_all_gone):
     if shutil.which("mpiexec") is None:
         pytest.skip("mpiexec not installed (apt-get install openmpi-bin)")
     pytest.importorskip("mpi4py", reason="mpi4py not installed (pip install mpi4py)")
-    cluster = Cluster(n=4, config=FAST.replace(engine_start_timeout=120.0), launcher="mpi",
+    cluster = Cluster(n=4, config=fast_config.replace(engine_start_timeout=120.0), launcher="mpi",
                       launcher_options={"mpi_args": MPI_ARGS})
     started = time.perf_counter()
     cluster.start()
@@ -57,7 +56,7 @@ def test_mpiexec_started_the_engines_and_they_form_a_group(mpi_cluster: Cluster)
     assert {p.spec.local_rank for p in mpi_cluster.ranks} == {0, 1, 2, 3}
 
 
-def test_a_killed_rank_is_reported_and_restart_relaunches_mpiexec(mpi_cluster: Cluster):
+def test_a_killed_rank_is_reported_and_restart_relaunches_mpiexec(mpi_cluster: Cluster, assert_all_gone):
     old_pids = {p.pid for p in mpi_cluster.ranks}
     old_launcher = mpi_cluster._launchers()[0].pid
     os.kill(mpi_cluster.ranks[1].pid, signal.SIGKILL)

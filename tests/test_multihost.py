@@ -25,7 +25,6 @@ import torch
 
 from nbdist import Cluster
 from nbdist.cluster.launchers import MultiHostWarning
-from tests.conftest import FAST, assert_all_gone
 
 pytestmark = pytest.mark.multihost
 
@@ -172,10 +171,10 @@ def network() -> Iterator[Network]:
 
 
 @pytest.fixture(scope="module")
-def cluster(network: Network) -> Iterator[Cluster]:
+def cluster(network: Network, fast_config, assert_all_gone) -> Iterator[Cluster]:
     hosts = {h.address: 2 for h in network.hosts}
     cluster = Cluster(
-        n=4, config=FAST.replace(engine_start_timeout=120.0), launcher="ssh",
+        n=4, config=fast_config.replace(engine_start_timeout=120.0), launcher="ssh",
         launcher_options={"hosts": hosts, "ssh_args": network.ssh_args,
                           "scp_args": network.ssh_args, "heartbeat_period_ms": 500,
                           "heartbeat_misses": 6},

@@ -67,8 +67,8 @@ def test_every_tutorial_is_here() -> None:
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", _params())
-def test_notebook_executes(path: Path, tmp_path: Path) -> None:
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
+def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     nb, seconds = run_notebook(path, tmp_path)
     check_tagged_cells_raised(nb, path.stem)
     print(f"{path.stem}: {seconds:.1f} s")

@@ -11,77 +11,21 @@ import torch
 
 from nbdist import Cluster
 
-REPO = Path(__file__).resolve().parents[1]
-
-# Runs on every rank before a test: a residual MLP whose blocks sit in a ModuleList (what
-# per-block wrapping looks for). No head: with identical blocks, ZeRO's flat partitions end on
-# parameter boundaries at 2 and 4 ranks, so measured bytes meet the formulas without slack.
-NET_CODE = """
-from torch import nn
-
-class Block(nn.Module):
-    def __init__(self, d):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(d, d), nn.Linear(d, d)
-    def forward(self, x):
-        return x + self.fc2(torch.relu(self.fc1(x)))
-
-class Net(nn.Module):
-    def __init__(self, d=384, n=4):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(d) for _ in range(n))
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x
-"""
-
-MODEL_CODE = f"""
-import os
-os.environ.setdefault("TORCH_EXTENSIONS_DIR", {str(REPO / ".torch_extensions")!r})
-import nbdist
-{NET_CODE}
-_g = torch.Generator().manual_seed(100 + rank)
-x, y = torch.randn(16, 384, generator=_g), torch.randn(16, 384, generator=_g)
-probe = torch.randn(4, 384, generator=torch.Generator().manual_seed(7))
-loss_fn = lambda out: ((out - y) ** 2).mean()
-
-def build(strategy, seed=0, lr=1e-3, **options):
-    torch.manual_seed(seed + rank)  # ranks start different: prepare must make them agree
-    return nbdist.prepare(Net(), lambda ps: torch.optim.Adam(ps, lr=lr), strategy, **options)
-
-def train(p, steps=5):
-    losses = []
-    for _ in range(steps):
-        loss = loss_fn(p.model(x))
-        p.backward(loss)
-        p.step()
-        losses.append(loss.item())
-    return losses
-
-def full_params(model):
-    # a flat copy of every parameter's local data (FSDP2: this rank's shard)
-    return torch.cat([getattr(q, "_local_tensor", q).detach().reshape(-1) for q in model.parameters()])
-"""
-
-PSI = 4 * 2 * (384 * 384 + 384)
+# Every rank runs the small model's code first (conftest: `ranks2`, `small_model_code`): Net, x/y,
+# probe, loss_fn, build, train, full_params; Ψ (`small_model_psi`) is its parameter count.
 
 
-@pytest.fixture(scope="module")
-def ranks2(cluster2: Cluster) -> Cluster:
-    cluster2.run(MODEL_CODE).raise_for_errors()
-    return cluster2
-
-
-def test_ddp_trains_and_replicas_stay_identical(ranks2: Cluster):
+def test_ddp_trains_and_replicas_stay_identical(ranks2_on_device: Cluster, small_model_psi: int):
+    ranks2, psi = ranks2_on_device, small_model_psi
     ranks2.run("p = build('ddp')\nlosses = train(p)\nflat = full_params(p.model)").raise_for_errors()
     losses, flats = ranks2.pull("losses"), ranks2.pull("flat")
     for r in (0, 1):
         assert losses[r][-1] < losses[r][0]
-    assert flats[0].numel() == PSI and torch.equal(flats[0], flats[1])
+    assert flats[0].numel() == psi and torch.equal(flats[0], flats[1])
 
 
-def test_fsdp_full_shard_trains_and_holds_one_over_n(ranks2: Cluster):
+def test_fsdp_full_shard_trains_and_holds_one_over_n(ranks2_on_device: Cluster, small_model_psi: int):
+    ranks2, psi = ranks2_on_device, small_model_psi
     ranks2.run(
         "p = build('fsdp')\nlosses = train(p)\nshard = full_params(p.model)\n"
         "kinds = sorted({type(q).__name__ for q in p.model.parameters()})"
@@ -90,7 +34,7 @@ def test_fsdp_full_shard_trains_and_holds_one_over_n(ranks2: Cluster):
     assert ranks2.pull("kinds")[0] == ["DTensor"]
     for r in (0, 1):
         assert losses[r][-1] < losses[r][0]
-        assert shards[r].numel() == PSI // 2
+        assert shards[r].numel() == psi // 2
     assert not torch.equal(shards[0], shards[1])  # two halves, not two replicas
 
 
@@ -104,7 +48,8 @@ def test_fsdp_bf16_cpu_offload_grad_op_and_recompute_train(ranks2: Cluster):
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_checkpoint_round_trip_and_consolidated_single_process(ranks2: Cluster, tmp_path: Path, strategy: str):
+def test_checkpoint_round_trip_and_consolidated_single_process(
+        ranks2: Cluster, tmp_path: Path, strategy: str, assert_consolidated_file_reproduces) -> None:
     path = tmp_path / strategy
     ranks2.push({"ckpt": str(path), "strategy": strategy})
     ranks2.run(
@@ -150,14 +95,16 @@ def test_bad_combinations_say_what_to_change(ranks2: Cluster):
         assert messages[key] is not None and expected in messages[key], (key, messages[key])
 
 
-def test_four_ranks_shard_one_quarter_and_match_the_estimate(cluster4: Cluster):
-    cluster4.run(MODEL_CODE).raise_for_errors()
+def test_four_ranks_shard_one_quarter_and_match_the_estimate(
+        cluster4: Cluster, small_model_code: str, small_model_psi: int) -> None:
+    psi = small_model_psi
+    cluster4.run(small_model_code).raise_for_errors()
     cluster4.run(
         "p = build('fsdp')\nn = full_params(p.model).numel()\n"
         "cmp = nbdist.compare_strategies(Net, x, loss_fn, strategies=('ddp', 'fsdp'), steps=2)\n"
         "rows, text = cmp.rows, cmp.table()"
     ).raise_for_errors()
-    assert set(cluster4.pull("n").values()) == {PSI // 4}
+    assert set(cluster4.pull("n").values()) == {psi // 4}
     rows = cluster4.pull("rows")[0]
     assert sorted({(r["strategy"], r["rank"]) for r in rows}) == [(s, r) for s in ("ddp", "fsdp") for r in range(4)]
     for row in rows:  # measured model states per rank within 5 % of the ZeRO formulas
@@ -165,13 +112,3 @@ def test_four_ranks_shard_one_quarter_and_match_the_estimate(cluster4: Cluster):
         assert row["losses"][-1] < row["losses"][0]
     assert "fsdp" in cluster4.pull("text")[0]
 
-
-def assert_consolidated_file_reproduces(cluster: Cluster, reference: torch.Tensor) -> None:
-    """In one plain process, no process group: the consolidated checkpoint (the ranks' ``full``
-    path) is an ordinary state dict that gives the ranks' output (``reference``) on ``probe``."""
-    namespace: dict = {"torch": torch}
-    exec(NET_CODE, namespace)
-    plain = namespace["Net"]()
-    plain.load_state_dict(torch.load(cluster.pull("full")[0]))
-    with torch.no_grad():
-        assert torch.allclose(plain(cluster.pull("probe")[0]), reference, atol=1e-6)

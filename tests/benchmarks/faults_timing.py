@@ -1,4 +1,4 @@
-"""Seconds to get the notebook back in fault rows 1, 2, 4, 5 and 6 (FAULTS.md): nbdist beside raw
+"""Seconds to get the notebook back in fault rows 1, 2, 4, 5 and 6 (docs/FAULTS.md): nbdist beside raw
 ipyparallel on the same machine, in one run; writes tests/benchmarks/FAULTS_RESULTS.md.
 
     .venv/bin/python -m tests.benchmarks.faults_timing             # 5 repetitions per row (~6 min)

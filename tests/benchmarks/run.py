@@ -1,4 +1,4 @@
-"""Measure B1–B9 (BENCHMARKS.md) for nbdist and its peers side by side; write RESULTS.md.
+"""Measure B1–B9 (docs/BENCHMARKS.md) for nbdist and its peers side by side; write RESULTS.md.
 
     .venv/bin/python -m tests.benchmarks.run            # full run (~15-25 min on 2 shared cores)
     .venv/bin/python -m tests.benchmarks.run --quick    # 1 round, few repetitions (~4 min)

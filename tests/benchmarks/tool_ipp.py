@@ -1,4 +1,4 @@
-"""Raw ipyparallel, by hand as BENCHMARKS.md describes: B1–B3 (view.execute and %%px), B7–B9.
+"""Raw ipyparallel, by hand as docs/BENCHMARKS.md describes: B1–B3 (view.execute and %%px), B7–B9.
 
 ``ipp.Cluster(n).start_and_connect_sync()``, then RANK/WORLD_SIZE/MASTER_* per engine and
 ``init_process_group("gloo")`` in a cell. Prints one ``NBDIST_BENCH`` line.

@@ -1,7 +1,7 @@
 """nbdistributed (PyPI): ``%load_ext nbdistributed``, ``%dist_init -n N``, ``%%distributed`` cells.
 
 Runs with the peers' ``.bench-venv`` (its workers start ``python`` from PATH, which the
-orchestrator points at that venv). It has no interrupt, and BENCHMARKS.md says not to call its
+orchestrator points at that venv). It has no interrupt, and docs/BENCHMARKS.md says not to call its
 shutdown helpers: its workers are killed by PID (B8, B9: not measured).
 """
 
@@ -71,7 +71,7 @@ def main() -> None:
             out["B7"]["root_cause_shown"] = "rank 1 fails before the barrier" in buf.get("text", "")
             out["B7"]["timed_out_internally"] = "Timeout" in buf.get("text", "")
     out["B9"] = {"seconds": None, "left": common.alive(pids),
-                 "note": "not measured: BENCHMARKS.md says do not call its shutdown helpers"}
+                 "note": "not measured: docs/BENCHMARKS.md says do not call its shutdown helpers"}
     common.emit(out)
     os._exit(0)  # its workers are the orchestrator's to kill, by PID
 

@@ -1,6 +1,6 @@
 """The one DDP training loop B4 times, both inside a ``%%distributed`` cell and under torchrun.
 
-A 4 × 1024 MLP (BENCHMARKS.md), SGD, a fixed batch; rank 0 reports steps/s over the timed steps.
+A 4 × 1024 MLP (docs/BENCHMARKS.md), SGD, a fixed batch; rank 0 reports steps/s over the timed steps.
 ``log`` is ``nbdist.log`` in the nbdist cell (dashboard on) and a no-op under torchrun.
 """
 
