@@ -28,6 +28,7 @@ _LAZY: dict[str, str] = {
     "estimate_memory": "nbdist.memory",
     "compare_strategies": "nbdist.memory",
     "advise": "nbdist.memory.advisor",
+    "diff": "nbdist.cells.diff",
 }
 
 __all__ = ["__version__", "NbdistWarning", "load_ipython_extension", *_LAZY]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from nbdist.cells import debug as debugging
+from nbdist.cells.diff import FETCH_LIMIT, DiffReport, diff_ranks
 from nbdist.cells.result import CellResult
 from nbdist.cells.runner import OutputSink, run_cell
 from nbdist.cluster.core import ClusterCore, Progress
@@ -31,12 +33,34 @@ class Cluster(ClusterCore):
         super().__init__(*args, **kwargs)
         self._dashboard: Dashboard | None = None
         self._setup_cells: list[str] = []
+        self.last_result: CellResult | None = None
+        """The last cell's outcome (what `debug` looks at)."""
 
     def run(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
             sink: OutputSink | None = None) -> CellResult:
         """Run code on the chosen ranks (all by default); returns a `CellResult`."""
         self._require_running()
-        return run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
+        self.last_result = run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
+        return self.last_result
+
+    def diff(self, expr: str, ranks: Iterable[int] | None = None, full: bool = False,
+             fetch_limit: int = FETCH_LIMIT) -> DiffReport:
+        """Evaluate `expr` on each rank and compare (tensors, modules, state dicts, optimizers,
+        containers, plain values): which entry differs first, on which ranks, by how much. Only
+        fingerprints travel, then the first `fetch_limit` differing tensors. `full`: compare
+        sharded DTensors in full (a collective), not just their local shapes."""
+        self._require_running()
+        return diff_ranks(self, expr, ranks=None if ranks is None else list(ranks), full=full,
+                          fetch_limit=fetch_limit)
+
+    def debug(self, rank: int | None = None, ask: debugging.Ask | None = None,
+              show: debugging.Show = print) -> int:
+        """Post-mortem pdb on a rank's failed cell (default: the last cell's first root cause),
+        one command per `ask(prompt)` (default `input`, looked up now: ipykernel replaces it
+        for each cell); returns the number of commands run."""
+        self._require_running()
+        rank = self.targets([debugging.pick_rank(self.last_result, rank)])[0]
+        return debugging.debug_rank(self, rank, ask or (lambda prompt: input(prompt)), show)
 
     def run_script(self, path: str, args: Sequence[str] = (), ranks: Iterable[int] | None = None,
                    timeout: float | None = None, sink: OutputSink | None = None) -> CellResult:

@@ -36,13 +36,14 @@ def session_log() -> SessionLog:
     return _SESSION_LOG
 
 
-def _parse(magic: Callable[..., Any], line: str) -> argparse.Namespace:
+def _parse(magic: Callable[..., Any], line: str, posix: bool = True) -> argparse.Namespace:
     """IPython's parse_argstring, but the line is split the POSIX way: quotes group words and are
-    removed (-o "ssh_args=-p 2222"), where parse_argstring would keep them inside the value."""
+    removed (-o "ssh_args=-p 2222"), where parse_argstring would keep them inside the value.
+    `posix=False` keeps them, for a Python expression."""
     parser = magic.parser  # type: ignore[attr-defined]  # set by @magic_arguments
     name = f"%{parser.prog}"
     try:
-        return parser.parse_args(arg_split(line, posix=True))
+        return parser.parse_args(arg_split(line, posix=posix))
     except UsageError as exc:
         # magic_arguments' usage starts "::" (reST) and its wrapped lines are one space short
         usage = parser.format_usage().replace("::\n\n  ", "usage: ", 1).replace("\n ", "\n  ")
@@ -245,6 +246,33 @@ class DistMagics(Magics):
         ranks = _ranks(args.ranks, cluster.world_size)
         with _as_usage_error():
             return cluster.pull(args.name, ranks=ranks)
+
+    @magic_arguments()
+    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
+    @argument("--full", action="store_true",
+              help="compare sharded DTensors in full (gathers them), not just their shard shapes")
+    @argument("expr", nargs="+", help="evaluated on every rank, e.g. model or opt.state_dict()")
+    @line_magic
+    def dist_diff(self, line: str) -> None:
+        """Compare a value across ranks (tensors, modules, state dicts, optimizers, containers):
+        the first differing entry, which ranks differ, the largest difference."""
+        args = _parse(self.dist_diff, line, posix=False)  # the expression keeps its quotes
+        cluster = self._cluster()
+        ranks = _ranks(args.ranks, cluster.world_size)
+        with _as_usage_error():
+            print(cluster.diff(" ".join(args.expr), ranks=ranks, full=args.full))
+
+    @magic_arguments()
+    @argument("rank", nargs="?", type=int, default=None,
+              help="the rank to debug (default: the last failed cell's first root cause)")
+    @line_magic
+    def dist_debug(self, line: str) -> None:
+        """Post-mortem debugger (pdb) on a rank's failed %%distributed cell, like %debug: p, pp,
+        up, down, l, w, q; the frames and tensors stay on the rank."""
+        args = _parse(self.dist_debug, line)
+        cluster = self._cluster()
+        with _as_usage_error():
+            cluster.debug(args.rank, ask=input, show=print)
 
     @magic_arguments()
     @argument("file", help="the script to write")
