@@ -3,7 +3,7 @@ between calls, that runs one command at a time and returns what it printed.
 
 The notebook drives it (`nbdist.cells.debug`), so tensors stay on the rank. The traceback is the
 one IPython saved (`sys.last_exc` / `sys.last_value`), or, when nbdist's process-group teardown
-cleared those to release a peer from a collective, the copy it handed to `keep`.
+cleared those to release a peer from a collective, the copy it kept (`worker/last_error.py`).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from nbdist.worker.collectives import is_cell_file
+from nbdist.worker.last_error import last_exception
 
 QUIT_COMMANDS = frozenset({"q", "quit", "exit", "c", "cont", "continue"})
 """End the session: the rank is never resumed (post-mortem), so continue means quit too."""
@@ -57,30 +58,15 @@ class PostMortem:
 _SESSION: PostMortem | None = None
 
 
-_KEPT: BaseException | None = None
-"""The last cell error a process-group teardown took out of `sys` (see `keep`)."""
-
-
-def keep(exc: BaseException | None) -> None:
-    """Hold on to the rank's last cell error when the teardown clears `sys.last_exc`."""
-    global _KEPT
-    if exc is not None:
-        _KEPT = exc
-
-
-def _last_exception() -> BaseException | None:
-    return getattr(sys, "last_exc", None) or getattr(sys, "last_value", None) or _KEPT
-
-
 def last_traceback() -> Any:
     """The traceback of the last failed cell on this rank, or None."""
-    exc = _last_exception()
+    exc = last_exception()
     tb = getattr(exc, "__traceback__", None) if exc is not None else None
     return tb if tb is not None else getattr(sys, "last_traceback", None)
 
 
 def last_error() -> str:
-    exc = _last_exception()
+    exc = last_exception()
     return "" if exc is None else f"{type(exc).__name__}: {exc}"
 
 

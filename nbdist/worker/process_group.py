@@ -101,11 +101,11 @@ def teardown() -> bool:
 def _drop_last_traceback() -> None:
     import sys
 
-    from nbdist.worker import debugging
+    from nbdist.worker import last_error
 
-    # %dist_debug still wants the rank's own error: it keeps it (the group's sockets are shut
-    # down already, so holding the user's frames no longer holds any peer)
-    debugging.keep(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+    # %dist_debug still wants the rank's own error: keep it (the group's sockets are shut down
+    # already, so holding the user's frames no longer holds any peer)
+    last_error.keep(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
     for name in ("last_traceback", "last_value", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
