@@ -80,6 +80,7 @@ class ClusterCore:
         self._processes = OwnedProcesses(self._config)
         self._liveness = Liveness(self._config, self, self._processes)
         self._engines = Engines(self._config, self._processes, self._liveness.record_exit)
+        self._liveness.job_ended = self._engines.job_ended  # Slurm: a cancelled job's ranks are dead
         self._rendezvous = Rendezvous(master_addr, interface)
 
     # ------------------------------------------------------------------ state
@@ -164,7 +165,7 @@ class ClusterCore:
         all_reduce has succeeded on every rank. On failure nothing is left running."""
         if self.running:
             return self
-        say = progress or (lambda _msg: None)
+        say = self._engines.progress = progress or (lambda _msg: None)
         started = time.perf_counter()
         workdir = self._processes.create_workdir()
         try:
@@ -293,7 +294,7 @@ class ClusterCore:
     def restart(self, progress: Progress | None = None) -> ClusterCore:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a
         lost controller."""
-        say = progress or (lambda _msg: None)
+        say = self._engines.progress = progress or (lambda _msg: None)
         n = self.world_size or rank_setup.rank_count(self.requested_n, self._plan)
         started = time.perf_counter()
         if self._attached:

@@ -12,9 +12,10 @@ import os
 import threading
 import time
 from collections.abc import Callable, Iterable
+from subprocess import CalledProcessError
 from typing import Any
 
-from nbdist.cluster import watchdog
+from nbdist.cluster import slurm, watchdog
 from nbdist.cluster.launchers import LauncherPlan, engine_set_launchers, has_local_pid
 from nbdist.cluster.processes import OwnedProcesses, Pid, process_trees
 from nbdist.config import NbdistConfig
@@ -35,6 +36,9 @@ class Engines:
         # ipyparallel drops a stopped engine's launcher from its set and removes its log file
         # (keeping the text): nbdist holds on to each launcher, by PID, for log_tail
         self._launchers_by_pid: dict[int, Any] = {}
+        self.job: slurm.SlurmJob | None = None
+        """The engines' Slurm job, when ipyparallel's Slurm launcher submitted them."""
+        self.progress: Callable[[str], None] = lambda _msg: None
 
     def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
         """Controller, orphan watchdog and n engines; returns the connected client once the
@@ -61,6 +65,7 @@ class Engines:
         if early_engines:
             engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
             _start_engines_early(plan, engine_file, self.config.engine_start_timeout)
+        slurm.place_batch_script(plan.config, profile_dir)
         self.ipp = ipp.Cluster(
             n=n,
             profile_dir=profile_dir,
@@ -78,7 +83,14 @@ class Engines:
         return engine_file
 
     def start_engines(self, n: int) -> None:
-        self.ipp.start_engines_sync(n)
+        try:
+            self.ipp.start_engines_sync(n)
+        except CalledProcessError as exc:  # the batch system's submit command refused the job
+            sets = list(self.ipp.engines.values())
+            self.ipp.engines.clear()
+            raise slurm.submit_error(exc, sets) from None
+        batch = slurm.job_launcher(self.ipp.engines.values())
+        self.job = slurm.SlurmJob(batch) if batch is not None else None
         for launcher in self.launchers():
             if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
                 launcher.on_stop(self.on_exit)
@@ -116,10 +128,15 @@ class Engines:
         """Wait for n new engines to register; fail fast if engine processes exit meanwhile."""
         known_ids = set(known)
         deadline = time.monotonic() + self.config.engine_start_timeout
+        queued_since = time.monotonic()
         while True:
             new_ids = sorted(set(client.ids) - known_ids)
             if len(new_ids) >= n:
                 return new_ids[:n]
+            if self.job is not None and self.job.while_starting(self.progress):
+                # the start-up deadline runs from when the job runs; the queue has its own
+                deadline = time.monotonic() + self.config.engine_start_timeout
+                _check_queue_wait(self.job, queued_since, self.config.batch_queue_timeout)
             exited = [la for la in self.launchers() if la.state == "after"]
             if exited:
                 raise ClusterStartError(
@@ -159,9 +176,9 @@ class Engines:
         """The last lines the engine with this PID wrote to its own log (crash messages land there)."""
         launcher = self._launchers_by_pid.get(pid)
         if launcher is None:
-            launcher = next((la for la in self.launchers() if la.pid == pid), None)
+            launcher = next((la for la in self.launchers() if getattr(la, "pid", None) == pid), None)
         if launcher is None:
-            return ""
+            return self.job.log_tail(lines) if self.job is not None else ""
         try:
             if launcher.state == "after":  # stopped: ipyparallel keeps the text, not the file
                 text = launcher.get_output()
@@ -183,11 +200,19 @@ class Engines:
 
     def stop_through_ipyparallel(self) -> bool:
         """Stop the engines through ipyparallel (ssh kill, scancel...); False if that failed."""
+        job, self.job = self.job, None
         try:
             self.ipp.stop_engines_sync()
-            return True
+            stopped = True
         except Exception:
-            return False
+            stopped = False
+        if job is not None:  # scancel returns at once: wait until no step or engine is left
+            return job.cancel(self.config.stop_timeout + 30)
+        return stopped
+
+    def job_ended(self, fresh: bool = False) -> str | None:
+        """How the engines' Slurm job ended (cancelled, time limit...), or None while it runs."""
+        return self.job.ended_detail(fresh) if self.job is not None else None
 
     def forget(self) -> None:
         """Drop ipyparallel's Cluster (its processes are already stopped), ending its wait threads."""
@@ -253,6 +278,13 @@ def _run_wait_thread_callbacks_at_once(launcher: Any) -> None:
 
     loop.add_callback = add_callback
     loop._nbdist_wait_passthrough = True
+
+
+def _check_queue_wait(job: slurm.SlurmJob, since: float, limit: float) -> None:
+    if limit and time.monotonic() - since > limit:
+        raise ClusterStartError(
+            f"Slurm job {job.job_id} still {job.state().state} ({job.state().reason}) after "
+            f"{limit:.0f} s (NbdistConfig.batch_queue_timeout); it was cancelled")
 
 
 def _log_tails(launchers: list[Any], lines: int = 15) -> str:

@@ -96,6 +96,13 @@ def engine_command(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "nbdist.worker.engine"]
 
 
+def _flag(value: Any) -> bool:
+    """A yes/no option; from %dist_start -o it is text ("false", "0", "no" mean no)."""
+    if isinstance(value, str):
+        return value.strip().lower() not in ("", "0", "false", "no", "off")
+    return bool(value)
+
+
 def _as_list(value: Any, name: str) -> list[str]:
     if isinstance(value, str):
         return shlex.split(value)
@@ -210,7 +217,7 @@ def build_launcher_plan(
     passthrough = {k: opts.pop(k) for k in list(opts) if "." in k}
     _set_friendly_options(launcher, opts, cfg[engine_set])
     placement = _PLACEMENTS[launcher](cfg, opts, n, engine_python)
-    spans_hosts = bool(opts.pop("spans_hosts")) if "spans_hosts" in opts else placement.spans_hosts
+    spans_hosts = _flag(opts.pop("spans_hosts")) if "spans_hosts" in opts else placement.spans_hosts
     if interface is not None:
         spans_hosts = True
 
@@ -318,7 +325,7 @@ def _controller_args(opts: dict[str, Any], spans_hosts: bool) -> list[str]:
     # ranks. Errors only, unless the user's own --log-level (later on the line) says otherwise.
     args: list[str] = ["--log-level=40"]
     args += _as_list(opts.pop("controller_args", []), "controller_args")
-    if opts.pop("curve", False):
+    if _flag(opts.pop("curve", False)):
         args.append("--IPController.enable_curve=True")
     if spans_hosts:
         # a dead host's engines are found by the controller's heartbeat (their PIDs are remote)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbdist.cluster import watchdog
@@ -42,6 +43,8 @@ class Liveness:
         self._lock = threading.Lock()
         self._exit_codes: dict[int, Any] = {}
         self._lost_ranks: list[int] = []
+        self.job_ended: Callable[[bool], str | None] = lambda _fresh: None
+        """How the engines' batch job ended, if it has (fresh=True: ask the scheduler now)."""
 
     def record_exit(self, stop_data: dict[str, Any]) -> None:
         """A launcher's on_stop callback (runs on its wait thread)."""
@@ -84,10 +87,15 @@ class Liveness:
         for rank in lost:
             newly_dead[rank] = detail = self.cluster.ranks[rank].exit_detail
             self.cluster.telemetry.rank_state(rank, "dead", detail)
+        job_end = self.job_ended(False)
         for proc in self.cluster.ranks:
             if proc.state == "dead":
                 continue
-            detail = self._remote_loss(proc) if not proc.local else self._local_exit(proc)
+            detail = job_end or (self._remote_loss(proc) if not proc.local else self._local_exit(proc))
+            if detail is not None and job_end is None:
+                # a batch job ended (scancel, time limit) is the cause, not the engine's exit
+                job_end = self.job_ended(True)
+                detail = job_end or detail
             if detail is not None:
                 self.cluster.mark_dead(proc.spec.rank, detail)
                 newly_dead[proc.spec.rank] = detail
