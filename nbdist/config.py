@@ -95,6 +95,10 @@ class NbdistConfig:
     telemetry_log_spacing: float = 0.1
     """Least seconds between two rank publishes prompted by ``nbdist.log()`` (batches a fast loop)."""
 
+    breakpoint_poll_interval: float = 0.02
+    """While a rank waits at a ``breakpoint()`` prompt, seconds between looks for the notebook's
+    answer (a file in the cluster's work directory)."""
+
     def replace(self, **changes: object) -> NbdistConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 

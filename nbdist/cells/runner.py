@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
+from nbdist.cells.breakpoints import BreakpointPrompts
 from nbdist.cells.output import NullSink, OutputSink
 from nbdist.cells.policy import FaultPolicy
 from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
@@ -70,6 +71,7 @@ class CellRun:
         # first liveness check one interval in: a short cell then costs no /proc reads (~2 ms)
         self._next_dead_check = self.started + self.config.dead_check_interval
         self.policy = FaultPolicy(self)
+        self.breakpoints = BreakpointPrompts(cluster.workdir, sink)
 
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
@@ -178,6 +180,8 @@ class CellRun:
         elif kind == "display":
             self.displays_shown[rank] = self.displays_shown.get(rank, 0) + 1
             self.sink.on_display(rank, content)
+        elif kind == "telemetry" and "debug" in content:
+            self.breakpoints.on_payload(rank, content["debug"])  # a rank stopped at breakpoint()
         elif kind == "telemetry":
             self.cluster.telemetry.publish(rank, content)
             try:

@@ -114,6 +114,9 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "socket_ifname": "lo" if master_addr.startswith("127.") else None,
         "interface_env": rendezvous.interface_env(probe),
         "store_path": rendezvous.store_path(workdir, generation),
+        # breakpoint() answers travel as files there: only a rank on this machine can read them
+        "breakpoint_dir": workdir if is_local_engine(probe) else None,
+        "breakpoint_poll_interval": config.breakpoint_poll_interval,
     }
 
 

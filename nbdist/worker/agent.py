@@ -119,6 +119,11 @@ class TelemetryAgent:
             if payload is not None:
                 self._send(payload)
 
+    def send(self, payload: dict[str, Any]) -> None:
+        """Publish a payload no provider made (a breakpoint's prompt), from any thread."""
+        with self._publish_lock:
+            self._send(payload)
+
     def _send(self, payload: dict[str, Any]) -> None:
         """Publish one payload; the caller holds ``_publish_lock``."""
         self._last_publish = time.monotonic()

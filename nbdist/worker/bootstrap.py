@@ -14,6 +14,7 @@ from typing import Any
 
 from nbdist.worker import collectives, net, process_group, release, script_calls, tracebacks
 from nbdist.worker.agent import TelemetryAgent, install_agent
+from nbdist.worker.breakpoints import install as install_breakpoint_hook
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
 
@@ -67,6 +68,8 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     _define_names(shell, spec, device)
     _install_hooks(shell)
     RUNTIME.agent = _start_telemetry(shell, spec["rank"], options, device)
+    install_breakpoint_hook(RUNTIME.agent, options.get("breakpoint_dir"),
+                            float(options.get("breakpoint_poll_interval", 0.02)))
 
     RUNTIME.pg_timeout = float(options["pg_timeout"])
     init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
