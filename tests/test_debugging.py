@@ -237,6 +237,9 @@ def test_dist_debug_in_a_real_kernel(tmp_path):
         assert run("%%distributed\nimport torch\n" + FAILING)["status"] == "error"
         assert run("%dist_debug")["status"] == "ok"
         assert run("%%distributed\ndist.barrier()\nprint('barrier ok', rank)")["status"] == "ok"
+        assert run("%%distributed\ntorch.manual_seed(0)\nlayer = torch.nn.Linear(3, 2)\n"
+                   "if rank == 1:\n    layer.bias.data += 0.5")["status"] == "ok"
+        assert run("%dist_diff layer")["status"] == "ok"
     finally:
         try:
             run("%dist_stop", timeout=60)
@@ -247,3 +250,5 @@ def test_dist_debug_in_a_real_kernel(tmp_path):
     assert prompts == ["(rank 1 pdb) "] * 4
     assert "tensor([ 9., 12., 15.])" in text and "tensor([0., 1., 2.])" in text
     assert "barrier ok 0" in text and "barrier ok 1" in text
+    assert "first difference: bias: rank 1 differs from rank 0" in text, text
+    assert "max |difference| 0.5" in text, text
