@@ -29,6 +29,7 @@ _LAZY: dict[str, str] = {
     "compare_strategies": "nbdist.memory",
     "advise": "nbdist.memory.advisor",
     "diff": "nbdist.cells.diff",
+    "lint": "nbdist.cells.lint",
 }
 
 __all__ = ["__version__", "NbdistWarning", "load_ipython_extension", *_LAZY]

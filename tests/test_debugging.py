@@ -252,3 +252,15 @@ def test_dist_debug_in_a_real_kernel(tmp_path):
     assert "barrier ok 0" in text and "barrier ok 1" in text
     assert "first difference: bias: rank 1 differs from rank 0" in text, text
     assert "max |difference| 0.5" in text, text
+
+
+def test_dist_debug_runs_given_commands_without_asking(cluster2, ip, capsys, monkeypatch):
+    """`%dist_debug -c CMD ...`: a headless run or a tutorial, no one at the keyboard."""
+    monkeypatch.setattr(magics, "_CURRENT", cluster2)
+    cluster2.run("d = {'lr': 0.1}\nif rank == 1:\n    d['momentum']")  # a KeyError on rank 1
+    monkeypatch.setattr(builtins, "input", lambda prompt="": pytest.fail("asked for input"))
+    ip.run_line_magic("dist_debug", "1 -c 'p d' -c 'p rank'")
+    out = capsys.readouterr().out
+    assert "post-mortem on rank 1 (KeyError: 'momentum')" in out
+    assert "(rank 1 pdb) p d\n{'lr': 0.1}" in out and "(rank 1 pdb) q" in out
+    assert cluster2.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").raise_for_errors().ok

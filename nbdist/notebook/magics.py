@@ -15,6 +15,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.utils.process import arg_split
 
 from nbdist.api import Cluster
+from nbdist.cells.lint import lint, summary
 from nbdist.cells.result import CellResult
 from nbdist.cluster.ranks import BACKENDS, parse_ranks
 from nbdist.config import DEFAULT
@@ -130,12 +131,17 @@ class DistMagics(Magics):
               help="deadline for this cell")
     @argument("--rank0", action="store_true", help="show only rank 0's output")
     @argument("--setup", action="store_true", help="re-run this cell after %%dist_restart")
+    @argument("--no-lint", action="store_true",
+              help="do not warn about collectives only some ranks reach")
     @cell_magic
     def distributed(self, line: str, cell: str) -> None:
         """Run the cell on the ranks; output streams live per rank."""
         args = _parse(self.distributed, line)
         cluster = self._cluster()
         ranks = _ranks(args.ranks, cluster.world_size)
+        findings = [] if args.no_lint else lint(cell)
+        if findings:
+            print(summary(findings), flush=True)
         if args.setup:
             cluster.mark_setup_cell(cell)
         sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
@@ -265,14 +271,17 @@ class DistMagics(Magics):
     @magic_arguments()
     @argument("rank", nargs="?", type=int, default=None,
               help="the rank to debug (default: the last failed cell's first root cause)")
+    @argument("-c", "--command", action="append", default=None, metavar="CMD",
+              help="run these pdb commands instead of asking (repeatable; headless runs, tutorials)")
     @line_magic
     def dist_debug(self, line: str) -> None:
         """Post-mortem debugger (pdb) on a rank's failed %%distributed cell, like %debug: p, pp,
         up, down, l, w, q; the frames and tensors stay on the rank."""
         args = _parse(self.dist_debug, line)
         cluster = self._cluster()
+        ask = input if args.command is None else _scripted_answers(args.command)
         with _as_usage_error():
-            cluster.debug(args.rank, ask=input, show=print)
+            cluster.debug(args.rank, ask=ask, show=print)
 
     @magic_arguments()
     @argument("file", help="the script to write")
@@ -312,6 +321,17 @@ class DistMagics(Magics):
             if _autodist_transform in transformers:
                 transformers.remove(_autodist_transform)
             print("nbdist: autodist off")
+
+
+def _scripted_answers(commands: list[str]) -> Callable[[str], str]:
+    """`%dist_debug -c ...`: the given commands in order (echoed after the prompt), then quit."""
+    answers = iter([*commands, "q"])
+
+    def ask(prompt: str) -> str:
+        command = next(answers, "q")
+        print(f"{prompt}{command}")
+        return command
+    return ask
 
 
 def _ranks(text: str | None, world_size: int) -> list[int] | None:
