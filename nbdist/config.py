@@ -19,6 +19,17 @@ class NbdistConfig:
     """Seconds a batch job (Slurm) may wait in the queue before start gives up and cancels it; 0:
     wait as long as it is queued (progress shows its state; interrupt to cancel)."""
 
+    batch_query_interval: float = 1.0
+    """Least seconds between two questions to the batch system about the engines' job (squeue
+    asks slurmctld, which a tight poll loop would load)."""
+
+    batch_command_timeout: float = 30.0
+    """Seconds a batch-system command (squeue, scancel, sbatch --test-only) may take."""
+
+    batch_end_settle: float = 3.0
+    """Seconds to wait for an ending job's final state (Slurm shows COMPLETING until its steps
+    are gone, which hides whether it was cancelled or failed)."""
+
     bootstrap_timeout: float = 120.0
     """Seconds for the rank bootstrap (torch import, device pinning, first all_reduce)."""
 

@@ -88,9 +88,9 @@ class Engines:
         except CalledProcessError as exc:  # the batch system's submit command refused the job
             sets = list(self.ipp.engines.values())
             self.ipp.engines.clear()
-            raise slurm.submit_error(exc, sets) from None
+            raise slurm.submit_error(exc, sets, self.config.batch_command_timeout) from None
         batch = slurm.job_launcher(self.ipp.engines.values())
-        self.job = slurm.SlurmJob(batch) if batch is not None else None
+        self.job = slurm.SlurmJob(batch, self.config) if batch is not None else None
         for launcher in self.launchers():
             if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
                 launcher.on_stop(self.on_exit)
@@ -207,7 +207,7 @@ class Engines:
         except Exception:
             stopped = False
         if job is not None:  # scancel returns at once: wait until no step or engine is left
-            return job.cancel(self.config.stop_timeout + 30)
+            return job.cancel(self.config.stop_timeout + self.config.batch_command_timeout)
         return stopped
 
     def job_ended(self, fresh: bool = False) -> str | None:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError
 
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED")
@@ -22,8 +23,6 @@ HOPELESS_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit
                     "BadConstraints", "InvalidAccount", "InvalidQOS", "PartitionDown",
                     "PartitionInactive", "JobHeldAdmin", "DependencyNeverSatisfied")
 """Pending reasons Slurm gives a job that will not start without a change (cancelled at once)."""
-
-_QUERY_SPACING = 1.0  # seconds: squeue asks slurmctld, so a busy poll loop reuses the last answer
 
 
 @dataclass(frozen=True)
@@ -44,11 +43,11 @@ class JobState:
         return self.state not in QUEUED and self.state not in ("RUNNING", "COMPLETING")
 
 
-def query(job_id: str) -> JobState:
+def query(job_id: str, timeout: float = NbdistConfig.batch_command_timeout) -> JobState:
     """`squeue -j ID -h -t all -o "%T|%r|%l"` (ended jobs stay listed for Slurm's MinJobAge)."""
     try:
         out = subprocess.run(["squeue", "-j", job_id, "-h", "-t", "all", "-o", "%T|%r|%l"],
-                             capture_output=True, text=True, timeout=30)
+                             capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
         return JobState("", "", "")
     fields = out.stdout.strip().splitlines()[0].split("|") if out.stdout.strip() else []
@@ -75,7 +74,7 @@ def place_batch_script(config: Any, profile_dir: str) -> None:
         slurm.batch_file_name = os.path.join(profile_dir, "slurm_engine.sbatch")
 
 
-def submit_error(exc: BaseException, engine_sets: Any) -> ClusterStartError:
+def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> ClusterStartError:
     """sbatch refused the job: Slurm's own message in one line (sbatch wrote it to the kernel's
     stderr, so it is asked again with --test-only, which submits nothing)."""
     from ipyparallel.cluster.launcher import SlurmLauncher
@@ -84,7 +83,7 @@ def submit_error(exc: BaseException, engine_sets: Any) -> ClusterStartError:
     for launcher in engine_sets:
         if isinstance(launcher, SlurmLauncher) and os.path.exists(launcher.batch_file):
             out = subprocess.run([*launcher.submit_command, "--test-only", launcher.batch_file],
-                                 capture_output=True, text=True, timeout=30)
+                                 capture_output=True, text=True, timeout=timeout)
             lines = [ln.strip() for ln in out.stderr.splitlines() if "error" in ln.lower()]
             message = "; ".join(lines) or out.stderr.strip().replace("\n", "; ")
     return ClusterStartError(f"sbatch refused the engines' job: {message or exc}")
@@ -93,8 +92,10 @@ def submit_error(exc: BaseException, engine_sets: Any) -> ClusterStartError:
 class SlurmJob:
     """The engines' job: its state (throttled squeue), start-up progress, end and log."""
 
-    def __init__(self, launcher: Any, query_job: Callable[[str], JobState] = query) -> None:
+    def __init__(self, launcher: Any, config: NbdistConfig,
+                 query_job: Callable[[str, float], JobState] = query) -> None:
         self.launcher = launcher
+        self.config = config
         self.job_id = str(launcher.job_id)
         self._query = query_job
         self._last: JobState | None = None
@@ -102,9 +103,11 @@ class SlurmJob:
         self._said = ""
 
     def state(self, fresh: bool = False) -> JobState:
-        if fresh or self._last is None or time.monotonic() - self._asked >= _QUERY_SPACING:
+        # squeue asks slurmctld: a busy poll loop reuses the last answer for a while
+        if (fresh or self._last is None
+                or time.monotonic() - self._asked >= self.config.batch_query_interval):
             self._asked = time.monotonic()
-            self._last = self._query(self.job_id)
+            self._last = self._query(self.job_id, self.config.batch_command_timeout)
         return self._last
 
     def while_starting(self, say: Callable[[str], None]) -> bool:
@@ -142,11 +145,12 @@ class SlurmJob:
         return f"Slurm job {self.job_id} ended: {job.state}" + (
             f" ({job.reason})" if job.reason and job.reason != "None" else "")
 
-    def ended_detail(self, fresh: bool = False, settle: float = 3.0) -> str | None:
+    def ended_detail(self, fresh: bool = False) -> str | None:
         """end_detail if the job has ended or is ending, else None. Slurm shows an ending job as
-        COMPLETING until its steps are gone, hiding why: wait up to `settle` s for the final state."""
+        COMPLETING until its steps are gone, hiding why: wait up to batch_end_settle s for the
+        final state."""
         job = self.state(fresh)
-        deadline = time.monotonic() + settle
+        deadline = time.monotonic() + self.config.batch_end_settle
         while job.state == "COMPLETING" and job.reason != "TimeLimit":
             if time.monotonic() > deadline:
                 return (f"Slurm job {self.job_id} is ending (COMPLETING: cancelled or failed; "
@@ -172,7 +176,8 @@ class SlurmJob:
     def cancel(self, timeout: float) -> bool:
         """scancel the job (again: harmless) and wait until Slurm lists it as ended, so no step
         or engine is left; False if it is still there after `timeout`."""
-        subprocess.run(["scancel", self.job_id], capture_output=True, timeout=30)
+        subprocess.run(["scancel", self.job_id], capture_output=True,
+                       timeout=self.config.batch_command_timeout)
         deadline = time.monotonic() + timeout
         while not self.state(fresh=True).ended:
             if time.monotonic() > deadline:
