@@ -326,3 +326,56 @@ def no_leaked_env_threads_or_process_group() -> Iterator[None]:
 
     if problems:
         pytest.fail("test hygiene: " + "; ".join(problems), pytrace=False)
+
+
+# --- a real kernel, driven as a person would: cells in, typed answers to input() ----------------
+
+
+class KernelSession:
+    """A real ipykernel (jupyter_client) running cells; `input()` there is answered from the list
+    given to `answer_with`, in order, as a person typing at the prompt would."""
+
+    def __init__(self, cwd: Path) -> None:
+        from jupyter_client.manager import start_new_kernel
+
+        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(cwd))
+        self._answers: Iterator[str] = iter(())
+        self.prompts: list[str] = []
+        self.outputs: list[str] = []
+
+    def answer_with(self, answers: list[str]) -> None:
+        self._answers = iter(answers)
+
+    def run(self, code: str, timeout: float = 240) -> dict:
+        """Execute one cell; its reply's content (status "ok" or "error")."""
+        def on_stdin(msg: dict) -> None:
+            self.prompts.append(msg["content"]["prompt"])
+            self.client.input(next(self._answers))
+
+        def on_output(msg: dict) -> None:
+            if msg["msg_type"] == "stream":
+                self.outputs.append(msg["content"]["text"])
+
+        reply = self.client.execute_interactive(code, allow_stdin=True, stdin_hook=on_stdin,
+                                                output_hook=on_output, timeout=timeout)
+        return reply["content"]
+
+    def text(self) -> str:
+        return "".join(self.outputs)
+
+    def close(self) -> None:
+        try:
+            self.run("%dist_stop", timeout=60)  # a no-op message when no cluster runs
+        finally:
+            self.client.stop_channels()
+            self.manager.shutdown_kernel(now=False)
+
+
+@pytest.fixture
+def real_kernel(tmp_path: Path) -> Iterator[KernelSession]:
+    """A fresh ipykernel in tmp_path; its cluster is stopped and the kernel shut down after."""
+    session = KernelSession(tmp_path)
+    try:
+        yield session
+    finally:
+        session.close()

@@ -143,37 +143,12 @@ def test_without_the_workdir_or_outside_the_main_thread_it_says_why(cluster2, mo
                                "notebook's machine")
 
 
-def test_breakpoint_in_a_real_kernel(tmp_path):
+def test_breakpoint_in_a_real_kernel(real_kernel):
     """ipykernel: the prompt is an input_request on the stdin channel, labelled with the rank."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
-    answers = iter(["p x", "c"])
-    prompts: list[str] = []
-    outputs: list[str] = []
-
-    def on_stdin(msg: dict) -> None:
-        prompts.append(msg["content"]["prompt"])
-        kc.input(next(answers))
-
-    def on_output(msg: dict) -> None:
-        if msg["msg_type"] == "stream":
-            outputs.append(msg["content"]["text"])
-
-    def run(code: str, timeout: float = 240) -> dict:
-        return kc.execute_interactive(code, allow_stdin=True, stdin_hook=on_stdin,
-                                      output_hook=on_output, timeout=timeout)["content"]
-
-    try:
-        assert run("%load_ext nbdist\n%dist_start -n 2")["status"] == "ok"
-        assert run("%%distributed\nimport torch\n" + CELL)["status"] == "ok"
-    finally:
-        try:
-            run("%dist_stop", timeout=60)
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
-    text = "".join(outputs)
-    assert prompts == ["(rank 1 pdb) "] * 2
+    real_kernel.answer_with(["p x", "c"])
+    assert real_kernel.run("%load_ext nbdist\n%dist_start -n 2")["status"] == "ok"
+    assert real_kernel.run("%%distributed\nimport torch\n" + CELL)["status"] == "ok"
+    text = real_kernel.text()
+    assert real_kernel.prompts == ["(rank 1 pdb) "] * 2
     assert "scale()" in text and "tensor([2., 2.])" in text
     assert "result [11.0, 11.0]" in text

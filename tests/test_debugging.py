@@ -211,43 +211,19 @@ def test_dist_debug_magic_reads_input(cluster2, ip, capsys, monkeypatch):
     assert cluster2.run("dist.barrier()").ok
 
 
-def test_dist_debug_in_a_real_kernel(tmp_path):
+def test_dist_debug_in_a_real_kernel(real_kernel):
     """%dist_debug in ipykernel: input() goes out as an input_request on the stdin channel."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
-    answers = iter(["p some_local[1]", "up", "p x[0]", "q"])
-    prompts: list[str] = []
-    outputs: list[str] = []
-
-    def on_stdin(msg: dict) -> None:
-        prompts.append(msg["content"]["prompt"])
-        kc.input(next(answers))
-
-    def on_output(msg: dict) -> None:
-        if msg["msg_type"] == "stream":
-            outputs.append(msg["content"]["text"])
-
-    def run(code: str, timeout: float = 240) -> dict:
-        return kc.execute_interactive(code, allow_stdin=True, stdin_hook=on_stdin,
-                                      output_hook=on_output, timeout=timeout)["content"]
-
-    try:
-        assert run("%load_ext nbdist\n%dist_start -n 2")["status"] == "ok"
-        assert run("%%distributed\nimport torch\n" + FAILING)["status"] == "error"
-        assert run("%dist_debug")["status"] == "ok"
-        assert run("%%distributed\ndist.barrier()\nprint('barrier ok', rank)")["status"] == "ok"
-        assert run("%%distributed\ntorch.manual_seed(0)\nlayer = torch.nn.Linear(3, 2)\n"
-                   "if rank == 1:\n    layer.bias.data += 0.5")["status"] == "ok"
-        assert run("%dist_diff layer")["status"] == "ok"
-    finally:
-        try:
-            run("%dist_stop", timeout=60)
-        finally:
-            kc.stop_channels()
-            km.shutdown_kernel(now=False)
-    text = "".join(outputs)
-    assert prompts == ["(rank 1 pdb) "] * 4
+    real_kernel.answer_with(["p some_local[1]", "up", "p x[0]", "q"])
+    run = real_kernel.run
+    assert run("%load_ext nbdist\n%dist_start -n 2")["status"] == "ok"
+    assert run("%%distributed\nimport torch\n" + FAILING)["status"] == "error"
+    assert run("%dist_debug")["status"] == "ok"
+    assert run("%%distributed\ndist.barrier()\nprint('barrier ok', rank)")["status"] == "ok"
+    assert run("%%distributed\ntorch.manual_seed(0)\nlayer = torch.nn.Linear(3, 2)\n"
+               "if rank == 1:\n    layer.bias.data += 0.5")["status"] == "ok"
+    assert run("%dist_diff layer")["status"] == "ok"
+    text = real_kernel.text()
+    assert real_kernel.prompts == ["(rank 1 pdb) "] * 4
     assert "tensor([ 9., 12., 15.])" in text and "tensor([0., 1., 2.])" in text
     assert "barrier ok 0" in text and "barrier ok 1" in text
     assert "first difference: bias: rank 1 differs from rank 0" in text, text
