@@ -67,7 +67,7 @@ class Cluster(ClusterCore):
         """Run an existing torchrun script unchanged on the chosen ranks (`%dist_run`): as
         `__main__`, with `sys.argv = [path, *args]` and torchrun's environment; `sys.exit(0)` is
         success. It runs in each rank's namespace, so its globals stay there for the next cell."""
-        local = not any(not p.local for p in self.ranks)
+        local = all(p.local for p in self.ranks)
         return self.run(script_cell(path, args, must_exist=local), ranks=ranks, timeout=timeout,
                         sink=sink)
 

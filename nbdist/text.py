@@ -1,4 +1,5 @@
-"""Plain-text formatting shared by every layer: one byte formatter, one table renderer."""
+"""Plain-text formatting shared by every layer: one byte formatter, one table renderer, one
+log tail."""
 
 from __future__ import annotations
 
@@ -35,3 +36,12 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
         out.append(line(["-" * w for w in widths]))
     out.extend(line(row) for row in cells[1:])
     return "\n".join(out)
+
+
+def tail(text: str, lines: int, skip: str | None = None) -> str:
+    """The last `lines` lines of `text`; with `skip`, blank lines and lines containing it are
+    left out first (an engine log's own "[IPEngine]" chatter, say)."""
+    kept = text.splitlines()
+    if skip is not None:
+        kept = [line for line in kept if line.strip() and skip not in line]
+    return "\n".join(kept[-lines:])

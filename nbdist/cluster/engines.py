@@ -16,10 +16,16 @@ from subprocess import CalledProcessError
 from typing import Any
 
 from nbdist.cluster import slurm, watchdog
-from nbdist.cluster.launchers import LauncherPlan, engine_set_launchers, has_local_pid
+from nbdist.cluster.launchers import (
+    ENGINE_LOG_NOISE,
+    LauncherPlan,
+    engine_set_launchers,
+    has_local_pid,
+)
 from nbdist.cluster.processes import OwnedProcesses, Pid, process_trees
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError
+from nbdist.text import tail
 
 ExitHandler = Callable[[dict[str, Any]], None]
 """Called with ipyparallel's stop data ({"pid": ..., "exit_code": ...}) when an engine exits."""
@@ -156,7 +162,7 @@ class Engines:
             time.sleep(self.config.startup_poll_interval)
 
     def controller_output(self, lines: int = 30) -> str:
-        return _tail(self.ipp.controller.get_output(), lines)
+        return tail(self.ipp.controller.get_output(), lines)
 
     def launchers(self) -> list[Any]:
         if self.ipp is None:
@@ -187,8 +193,7 @@ class Engines:
                     text = f.read()
         except (OSError, AttributeError):
             return ""
-        keep = [ln for ln in text.splitlines() if ln.strip() and "[IPEngine]" not in ln]
-        return "\n".join(keep[-lines:])
+        return tail(text, lines, skip=ENGINE_LOG_NOISE)
 
     def stop_engines(self, helpers: list[Pid]) -> bool:
         """Stop every engine (local ones and these helpers by PID first) and forget them, for
@@ -295,12 +300,8 @@ def _log_tails(launchers: list[Any], lines: int = 15) -> str:
                 text = f.read()
         except OSError:
             text = ""
-        parts.append(f"--- engine pid {la.pid} log (last {lines} lines) ---\n{_tail(text, lines)}")
+        parts.append(f"--- engine pid {la.pid} log (last {lines} lines) ---\n{tail(text, lines)}")
     return "\n".join(parts)
-
-
-def _tail(text: str, lines: int) -> str:
-    return "\n".join(text.splitlines()[-lines:])
 
 
 def _quiet_logger() -> logging.Logger:

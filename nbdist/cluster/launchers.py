@@ -368,6 +368,9 @@ def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str 
     return address
 
 
+ENGINE_LOG_NOISE = "[IPEngine]"  # an engine's own log chatter, left out of the log tails we show
+
+
 def is_loopback(address: str) -> bool:
     try:
         return ipaddress.ip_address(address).is_loopback

@@ -7,6 +7,8 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from nbdist.text import tail
+
 K = TypeVar("K", bound=Hashable)
 
 
@@ -41,5 +43,5 @@ def short_error(exc: BaseException) -> str:
     tb = getattr(exc, "traceback", None)
     text = f"{ename}: {evalue}"
     if tb:
-        text += "\n" + "\n".join(str(tb).splitlines()[-12:])
+        text += "\n" + tail(str(tb), 12)
     return text

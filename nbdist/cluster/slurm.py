@@ -13,8 +13,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.cluster.launchers import ENGINE_LOG_NOISE
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError
+from nbdist.text import tail
 
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED")
 """Job states in which the engines have not started (yet)."""
@@ -169,9 +171,8 @@ class SlurmJob:
                 text = f.read()
         except OSError:
             text = getattr(self.launcher, "_output", None) or ""
-        keep = [ln for ln in text.splitlines() if ln.strip() and "[IPEngine]" not in ln]
-        return f"--- Slurm job {self.job_id} log {path} (last {lines} lines) ---\n" + "\n".join(
-            keep[-lines:])
+        return (f"--- Slurm job {self.job_id} log {path} (last {lines} lines) ---\n"
+                + tail(text, lines, skip=ENGINE_LOG_NOISE))
 
     def cancel(self, timeout: float) -> bool:
         """scancel the job (again: harmless) and wait until Slurm lists it as ended, so no step
