@@ -13,11 +13,16 @@ from nbdist.cells import debug as debugging
 from nbdist.cells.diff import FETCH_LIMIT, DiffReport, diff_ranks
 from nbdist.cells.result import CellResult
 from nbdist.cells.runner import OutputSink, run_cell
+from nbdist.cluster import attach as attaching
+from nbdist.cluster.arguments import check_code, check_rank_selection, check_seconds
 from nbdist.cluster.core import ClusterCore, Progress
+from nbdist.cluster.memory_limit import with_memory_limit
 from nbdist.cluster.status import ClusterStatus
+from nbdist.errors import DistributedCellError
 from nbdist.export.run import script_cell
 
 if TYPE_CHECKING:
+    from nbdist.cluster.slurm import SlurmJob
     from nbdist.dashboard import Dashboard
 
 
@@ -29,16 +34,34 @@ class Cluster(ClusterCore):
     >>> cluster.stop()                           # doctest: +SKIP
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, memory_limit: int | str | None = None, **kwargs: Any) -> None:
+        """`memory_limit`: what each rank may allocate after start-up (bytes, "512MiB", "1GiB",
+        "2GB"); past it the rank's allocation fails and the report names the rank and the limit
+        (nbdist.worker.memory_limit). The rest: see `ClusterCore`."""
+        if memory_limit is not None:  # checked here, before anything starts
+            kwargs["config"] = with_memory_limit(kwargs.get("config"), memory_limit)
         super().__init__(*args, **kwargs)
         self._dashboard: Dashboard | None = None
         self._setup_cells: list[str] = []
         self.last_result: CellResult | None = None
         """The last cell's outcome (what `debug` looks at)."""
 
+    @classmethod
+    def attach(cls, profile: str | None = None, cluster_id: str = "", *, profile_dir: str | None = None,
+               url_file: str | None = None, n: int | None = None, progress: Progress | None = None,
+               **kwargs: Any) -> Cluster:
+        """Use the engines of a cluster the user already started (`ipcluster start`, a Slurm
+        job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
+        group; restart() waits for the engines to be back (restart them yourself)."""
+        cluster = cls(n=n, **kwargs)
+        cluster._attach_target = attaching.attach_target(profile, cluster_id, profile_dir, url_file)
+        cluster.start(progress)
+        return cluster
+
     def run(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
             sink: OutputSink | None = None) -> CellResult:
         """Run code on the chosen ranks (all by default); returns a `CellResult`."""
+        code, ranks, timeout = check_code(code), check_rank_selection(ranks), check_seconds(timeout)
         self._require_running()
         self.last_result = run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
         return self.last_result
@@ -81,14 +104,25 @@ class Cluster(ClusterCore):
         Works after a dead rank or a lost controller."""
         super().restart(progress)
         if rerun_setup:
-            for code in self._setup_cells:
-                self.run(code).raise_for_errors()
+            for number, code in enumerate(self._setup_cells, 1):
+                result = self.run(code)
+                if result.errors:  # raised, or the stop button pressed while it ran
+                    raise DistributedCellError(
+                        f"the ranks restarted, but setup cell {number} of {len(self._setup_cells)} "
+                        f"did not finish: {result.failure_message()}", result)
         return self
+
+    @property
+    def batch_job(self) -> SlurmJob | None:
+        """The engines' Slurm job (`job_id`, `state()`, `log_tail()`) when `launcher="slurm"`
+        submitted them; None otherwise."""
+        return self._engines.job
 
     def status(self) -> ClusterStatus:
         if self.running:
             self.poll_dead()
-        return ClusterStatus.of(self)
+        job = self.batch_job
+        return ClusterStatus.of(self, batch_job=job.summary() if job is not None else "")
 
     def dashboard(self) -> Dashboard:
         """The live dashboard of this cluster (created once, kept across cells)."""

@@ -27,8 +27,8 @@ class NbdistConfig:
     """Seconds a batch-system command (squeue, scancel, sbatch --test-only) may take."""
 
     batch_end_settle: float = 3.0
-    """Seconds to wait for an ending job's final state (Slurm shows COMPLETING until its steps
-    are gone, which hides whether it was cancelled or failed)."""
+    """Seconds to wait for why an ending job ends when Slurm does not say yet (COMPLETING with no
+    reason and no signal: the moment before scancel's signal lands, or a job that completed)."""
 
     bootstrap_timeout: float = 120.0
     """Seconds for the rank bootstrap (torch import, device pinning, first all_reduce)."""
@@ -83,7 +83,11 @@ class NbdistConfig:
     """Seconds %dist_stop waits for processes to exit before it kills them by PID."""
 
     max_output_chars: int = 200_000
-    """Per rank and stream: output kept beyond this is truncated (with a note)."""
+    """Per rank and stream: output shown live beyond this is truncated (with a note); the
+    stream's last `output_tail_chars` are shown when the cell ends."""
+
+    output_tail_chars: int = 2_000
+    """The end of a truncated stream, shown when the cell ends (whole lines)."""
 
     watchdog_interval: float = 0.5
     """How often the orphan watchdog checks that the notebook kernel is still alive."""
@@ -109,6 +113,11 @@ class NbdistConfig:
     breakpoint_poll_interval: float = 0.02
     """While a rank waits at a ``breakpoint()`` prompt, seconds between looks for the notebook's
     answer (a file in the cluster's work directory)."""
+
+    memory_limit: int | str | None = None
+    """Per-rank memory budget (bytes, or "512MiB", "1GiB", "2GB"): what each rank may allocate
+    after start-up (RLIMIT_DATA on CPU, a CUDA memory fraction on GPU; see nbdist.worker.memory_limit).
+    None: no limit. Set by ``Cluster(memory_limit=...)`` and ``%dist_start --memory-limit``."""
 
     def replace(self, **changes: object) -> NbdistConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]

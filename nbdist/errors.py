@@ -32,3 +32,8 @@ class DistributedCellError(NbdistError):
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of nbdist's own frames: the user's remote traceback matters.
         return str(self).splitlines()
+
+
+class Interrupted(NbdistError, KeyboardInterrupt):
+    """The stop button during a command (start, restart, push, pull): the message says what was
+    stopped and what is left. Still a KeyboardInterrupt, for code that catches one."""

@@ -10,6 +10,8 @@ from typing import Any
 import pytest
 from IPython.core.error import StdinNotImplementedError
 
+from tests.sinks import RecordingSink
+
 # Rank 1 stops inside scale() while rank 0 goes on into the all_reduce and waits there.
 CELL = """
 def scale(x, factor):
@@ -24,27 +26,6 @@ dist.all_reduce(out)
 print("result", out.tolist())
 out.tolist()
 """
-
-
-class RecordingSink:
-    def __init__(self) -> None:
-        self.streams: list[tuple[int, str]] = []
-        self.statuses: list[str] = []
-
-    def on_stream(self, rank: int, name: str, text: str) -> None:
-        self.streams.append((rank, text))
-
-    def on_display(self, rank: int, content: dict[str, Any]) -> None:
-        pass
-
-    def on_telemetry(self, rank: int, payload: dict[str, Any]) -> None:
-        pass
-
-    def on_status(self, text: str) -> None:
-        self.statuses.append(text)
-
-    def text(self, rank: int) -> str:
-        return "".join(text for r, text in self.streams if r == rank)
 
 
 def _scripted_input(monkeypatch: pytest.MonkeyPatch, answers: list[Any]) -> list[str]:

@@ -10,6 +10,7 @@ import torch
 
 from nbdist import Cluster, DistributedCellError
 from nbdist.errors import ClusterNotRunningError, NbdistError
+from tests.sinks import RecordingSink
 
 
 def test_all_reduce_and_torchrun_environment(cluster2: Cluster):
@@ -69,23 +70,6 @@ def test_push_pull_round_trip_tensors_and_objects(cluster2: Cluster):
     pulled = cluster2.pull("weights")
     assert torch.equal(pulled[0], weights) and torch.equal(pulled[1], weights * 2)
     assert cluster2.pull("config")[1] == {"lr": 0.1, "layers": [1, 2]}
-
-
-class RecordingSink:
-    def __init__(self):
-        self.events = []
-
-    def on_stream(self, rank, name, text):
-        self.events.append((rank, name, text))
-
-    def on_display(self, rank, content):
-        self.events.append((rank, "display", content))
-
-    def on_telemetry(self, rank, payload):
-        pass
-
-    def on_status(self, text):
-        self.events.append((-1, "status", text))
 
 
 def test_stdout_and_stderr_complete_and_labelled(cluster2: Cluster):

@@ -254,6 +254,26 @@ def test_series_thins_old_history_past_the_limit() -> None:
     assert line.last_x == 2999.0
 
 
+
+def test_thirty_minutes_at_100_hz_on_8_ranks_stays_within_the_history_limit() -> None:
+    """Issue 20: 180,000 log() records per rank (30 minutes at 100 Hz), arriving a second at a
+    time as the agent ships them: every line holds at most history_limit points, the newest at
+    full resolution, and the view stays within the point budget."""
+    model = DashboardModel(8)
+    limit = model.config.history_limit
+    for second in range(1800):
+        steps = list(range(second * 100, (second + 1) * 100))
+        for rank in range(8):
+            model.ingest(rank, payload(rank, 1000.0 + second, steps=steps, loss=[1.0 / (1 + second)] * 100))
+    lines = [line for h in model.ranks.values() for t in (h.metrics, h.memory) for line in t.values()]
+    loss = model.ranks[0].metrics["loss"]
+    assert loss.n <= limit < 180_000 and loss.last_x == 179_999.0
+    assert all(line.n <= limit for line in lines)
+    newest = loss.x[loss.n - limit // 4: loss.n]
+    assert np.all(np.diff(newest) == 1.0)  # the recent quarter is every step
+    view, buffer = model.build_view()
+    assert len(buffer) == 8 * view["points"] <= 8 * (model.config.point_budget + 8 * 3 * 4)
+
 # -- states and rates --------------------------------------------------------------------------------
 def test_states_running_idle_stale_dead_restarted() -> None:
     clock = FakeClock()

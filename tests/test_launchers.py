@@ -24,8 +24,16 @@ from nbdist.cluster.launchers import (
     ssh_engine_hosts,
 )
 from nbdist.errors import NbdistError
+from nbdist.worker import net
 
 ENGINE = [sys.executable, "-m", "nbdist.worker.engine"]
+HOST_ADDRESS = "10.11.12.13"
+
+
+@pytest.fixture(autouse=True)
+def host_address(monkeypatch):
+    """This host's address as batch launchers bind it (a machine with only loopback has none)."""
+    monkeypatch.setattr(net, "host_address", lambda: HOST_ADDRESS)
 
 
 def test_local_plan_stays_on_loopback():
@@ -70,11 +78,12 @@ def test_slurm_config_passes_options_through():
     assert slurm.batch_file_name == "nbdist_engines.sbatch"  # "Class.trait" is verbatim
     assert slurm.engine_cmd == ENGINE
     assert plan.cluster_kwargs["engine_launcher_class"].endswith(".SlurmEngineSetLauncher")
-    # engines land on nodes we cannot know in advance: the controller listens off loopback,
-    # advertises this host, and finds dead nodes by a short heartbeat
+    # engines land on nodes we cannot know in advance: the controller listens off loopback on
+    # this host's one address they look it up by (never 0.0.0.0), advertises it, and finds dead
+    # nodes by a short heartbeat
     assert plan.spans_hosts and not plan.engine_pids_local
-    assert plan.cluster_kwargs["controller_ip"] == "0.0.0.0"
-    assert plan.cluster_kwargs["controller_location"]
+    assert plan.cluster_kwargs["controller_ip"] == HOST_ADDRESS
+    assert plan.cluster_kwargs["controller_location"] == HOST_ADDRESS
     assert "--HeartMonitor.period=1000" in plan.cluster_kwargs["controller_args"]
 
 
@@ -97,11 +106,15 @@ def test_slurm_batch_script_ipyparallel_would_submit(tmp_path):
     assert f"srun {sys.executable} -m nbdist.worker.engine" in script
 
 
-def test_slurm_with_interface_binds_that_address_only():
+def test_slurm_with_interface_binds_that_address_only(monkeypatch):
     plan = build_launcher_plan("slurm", {}, interface="lo")
     assert plan.cluster_kwargs["controller_ip"] == "127.0.0.1"  # lo's address, not 0.0.0.0
     with pytest.raises(NbdistError, match="no IPv4 address"):
         build_launcher_plan("slurm", {}, interface="no-such-if0")
+    # no interface and no address of this host to bind: ask for one, never listen everywhere
+    monkeypatch.setattr(net, "host_address", lambda: None)
+    with pytest.raises(NbdistError, match="--interface IFACE .* or -o controller_ip=ADDR"):
+        build_launcher_plan("slurm", {})
 
 
 def test_mpi_config_and_when_it_spans_hosts():

@@ -1,4 +1,6 @@
-"""Notebooks are code: ruff checks their cells, and saved outputs are stripped (never stale).
+"""Notebooks are code: ruff checks their cells, and saved outputs are stripped (never stale), or
+deliberately kept from one real run of exactly the code cells there now (a run the notebook suite
+cannot repeat everywhere, e.g. through Slurm: see KEPT_OUTPUTS).
 
 Ruff skips cells that start with a cell magic, so a small extractor turns each notebook into two
 Python files — the `%%distributed` cells (the ranks' program, in order, after a header that
@@ -8,6 +10,7 @@ commented out, then runs ruff on both.
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 import sys
@@ -31,6 +34,24 @@ _BRACED = re.compile(r"\{([^{}]+)\}")
 _PUSH = re.compile(r"^\s*%dist_push\s+(.*)$", re.M)
 BUILTINS = "builtins = ['display', '_dist_result']"
 """IPython's display() exists in every kernel, ranks included; %%distributed sets _dist_result."""
+
+
+KEPT_OUTPUTS = "nbdist_kept_outputs"
+"""Notebook metadata of a notebook saved with its outputs: {"from": how they were produced,
+"sources": code_digest of the cells that produced them}. An edited code cell makes them stale."""
+
+
+def code_digest(nb: nbformat.NotebookNode) -> str:
+    code = "\0".join(cell.source for cell in nb.cells if cell.cell_type == "code")
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+def save_with_outputs(nb: nbformat.NotebookNode, path: Path, produced_by: str) -> None:
+    """Write an executed notebook with its outputs kept (and nbclient's timestamps dropped)."""
+    for cell in nb.cells:
+        cell.metadata.pop("execution", None)
+    nb.metadata[KEPT_OUTPUTS] = {"from": produced_by, "sources": code_digest(nb)}
+    nbformat.write(nb, path)
 
 
 def pushed_names(notebook_cells: list[str]) -> list[str]:
@@ -108,8 +129,14 @@ def test_notebook_cells_pass_ruff(path: Path) -> None:
 def test_notebook_is_stripped_and_valid(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
+    kept = nb.metadata.get(KEPT_OUTPUTS)
+    if kept:
+        counts = [cell.execution_count for cell in nb.cells if cell.cell_type == "code"]
+        assert kept["sources"] == code_digest(nb), (
+            f"{path.name}: code cells changed since its outputs were saved: re-run it ({kept['from']})")
+        assert counts == list(range(1, len(counts) + 1)), f"{path.name}: not one run top to bottom"
     for index, cell in enumerate(nb.cells):
-        if cell.cell_type == "code":
+        if cell.cell_type == "code" and not kept:
             assert not cell.outputs and cell.execution_count is None, (
                 f"{path.name} cell {index} has saved outputs: strip them "
                 "(jupyter nbconvert --clear-output --inplace notebooks/*.ipynb)"

@@ -2,7 +2,9 @@
 
 A notebook fails the test if any cell errors, except cells tagged ``raises-exception`` — and those
 must raise, or the tag (and the lesson) has gone stale. 00_quickstart runs in the default suite;
-the whole set runs with ``-m notebooks`` (a few minutes on 2 cores):
+the whole set runs with ``-m notebooks`` (a few minutes on 2 cores). 12_multi_node_slurm runs
+through Slurm where ``sinfo`` answers and on local engines elsewhere; ``-m slurm`` runs it against
+the test scheduler (tests/test_slurm.py):
 
     .venv/bin/python -m pytest -q -m notebooks tests/test_notebooks.py
 """
@@ -61,6 +63,7 @@ def test_every_tutorial_is_here() -> None:
         "00_quickstart", "01_collectives", "02_ddp", "03_ddp_model_parallel", "04_fsdp",
         "05_deepspeed", "06_memory_anatomy", "07_tensor_parallel", "08_pipeline_parallel",
         "09_rpc_parameter_server", "10_when_things_go_wrong", "11_notebook_to_script",
+        "12_multi_node_slurm",
     }
     assert expected <= names, f"missing: {sorted(expected - names)}"
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from nbdist.cells.hang_report import hang_report
 from nbdist.cells.ladder import InterruptLadder
+from nbdist.cells.out_of_memory import name_out_of_memory
 from nbdist.cells.rank_errors import classify_errors
 from nbdist.cells.running import RunningCell, finished_with_error
 from nbdist.cells.whereabouts import blocked_in_collective, cell_reports, telemetry_time
@@ -139,6 +140,8 @@ class FaultPolicy:
             if cluster.running and not cluster.controller_lost:
                 reports = cell_reports(cluster, alive)
             classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
+            name_out_of_memory(result, self.config.memory_limit,
+                               lambda rank: cluster.engine_log_tail(rank, 80))
         if cluster.controller_lost:
             return
         self._recover(reports, destroyed)

@@ -20,8 +20,14 @@ class RankError:
     evalue: str = ""
     traceback: str = ""
     where: str = ""
+    out_of_memory: str = ""
+    """The memory limit this rank ran out of ("1.00 GiB by --memory-limit ..."), if it did."""
 
     def headline(self) -> str:
+        if self.out_of_memory:
+            how = f"died ({self.evalue})" if self.kind == "dead" else f"{self.ename}: {self.evalue}"
+            return (f"rank {self.rank} ran out of memory: it is limited to {self.out_of_memory}; "
+                    f"{how}")
         if self.kind == "dead":
             return f"rank {self.rank} died: {self.evalue}"
         if self.kind == "collective":

@@ -212,6 +212,19 @@ class CellRun:
             return
         self.sink.on_stream(rank, name, text)
 
+    def _emit_tail(self, rank: int, name: str, full: str) -> None:
+        """After a truncated stream, its last lines: where a flood ends is what matters (the
+        final loss, the error message), and the head alone would hide it."""
+        tail = full[-self.config.output_tail_chars:]
+        if len(tail) < len(full) and "\n" in tail[:-1]:
+            tail = tail[tail.index("\n") + 1:]  # start on a whole line
+        omitted = len(full) - self.config.max_output_chars - len(tail)
+        if omitted <= 0:
+            tail = full[self.config.max_output_chars:]
+        self.sink.on_status(f"nbdist: rank {rank} {name}: {max(omitted, 0):,} characters left out; "
+                            f"its last {len(tail):,}:")
+        self.sink.on_stream(rank, name, tail)
+
     def _controller_lost(self) -> None:
         for rank in sorted(self.pending):
             self.result.errors[rank] = RankError(rank=rank, kind="lost", evalue="controller lost")
@@ -234,6 +247,8 @@ class CellRun:
                 shown = self.streamed.get((rank, name), 0)
                 if len(full) > shown:  # output that raced the callbacks' registration
                     self._emit_stream(rank, name, full[shown:])
+                if (rank, name) in self.truncated:
+                    self._emit_tail(rank, name, full)
             outputs = md.get("outputs") or []
             result.displays[rank] = list(outputs)
             for content in outputs[self.displays_shown.get(rank, 0):]:

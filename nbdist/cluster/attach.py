@@ -18,7 +18,7 @@ from nbdist.worker import bootstrap
 
 def attach_target(profile: str | None, cluster_id: str, profile_dir: str | None,
                   url_file: str | None) -> dict[str, Any]:
-    """ipyparallel.Client's arguments for the cluster `ClusterCore.attach` was pointed at."""
+    """ipyparallel.Client's arguments for the cluster `Cluster.attach` was pointed at."""
     if url_file:
         return {"url_file": url_file}
     target: dict[str, Any] = {"cluster_id": cluster_id}
@@ -54,8 +54,12 @@ def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
 def connect(target: dict[str, Any]) -> Any:
     import ipyparallel as ipp
 
+    options = dict(target)
+    # positionally: ipyparallel 9 silently ignores a url_file= keyword (and then connects to the
+    # default profile's cluster instead of the one named)
+    connection_file = options.pop("url_file", None)
     try:
-        return ipp.Client(**target)
+        return ipp.Client(connection_file, **options)
     except (OSError, ValueError) as exc:
         raise ClusterStartError(
             f"no running ipyparallel cluster found for {target}: {exc}. "

@@ -15,15 +15,16 @@ from typing import Any
 
 from nbdist.cluster import attach as attaching
 from nbdist.cluster import rank_calls, rank_setup, watchdog
+from nbdist.cluster.arguments import check_cluster_arguments
 from nbdist.cluster.engines import Engines, ask_remote_engines_to_exit, close_quietly
 from nbdist.cluster.launchers import build_launcher_plan, warn_unauthenticated_rendezvous
 from nbdist.cluster.liveness import Liveness
 from nbdist.cluster.processes import OwnedProcesses, Pid, release_rank_process, signal_rank_process
-from nbdist.cluster.ranks import RankProcess, check_rank_request, check_targets, validate_backend
+from nbdist.cluster.ranks import RankProcess, check_targets, validate_backend
 from nbdist.cluster.rendezvous import Rendezvous
 from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.config import DEFAULT, NbdistConfig
-from nbdist.errors import ClusterNotRunningError, NbdistError
+from nbdist.errors import ClusterNotRunningError, Interrupted, NbdistError
 from nbdist.worker.net import free_port
 
 __all__ = ["ClusterCore", "Progress", "RankProcess", "free_port"]
@@ -57,14 +58,15 @@ class ClusterCore:
         running in that ipyparallel profile instead (see `Cluster.attach`). `master_addr`: the
         rendezvous address (default: 127.0.0.1 on one host, rank 0's address across hosts).
         `interface`: the network interface ranks talk over (GLOO/NCCL_SOCKET_IFNAME)."""
-        check_rank_request(n, gpus_per_rank, threads)
+        self.launcher_options = check_cluster_arguments(
+            n=n, gpus_per_rank=gpus_per_rank, threads=threads, config=config, master_addr=master_addr,
+            launcher=launcher, launcher_options=launcher_options, profile=profile, interface=interface)
         self.requested_n = n
         self.requested_backend = validate_backend(backend)
         self.gpus_per_rank = gpus_per_rank
         self.requested_threads = threads
         self.interface = interface
         self.launcher = launcher
-        self.launcher_options = dict(launcher_options or {})
         self._attach_target = attaching.profile_target(profile, launcher, self.launcher_options)
         # validate launcher and options now (pure: starts nothing)
         self._plan = build_launcher_plan(launcher, self.launcher_options, n=n, interface=interface)
@@ -176,8 +178,10 @@ class ClusterCore:
                 say(f"starting controller and {n} engine(s) ({self.launcher}) in {workdir}")
                 self._start_processes(n)
                 self._bootstrap(say)
-        except BaseException:
+        except BaseException as exc:
             self._teardown_processes()
+            if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+                raise Interrupted("the start was interrupted: everything it had started is stopped") from None
             raise
         self.start_seconds = time.perf_counter() - started
         atexit.register(_stop_at_exit, weakref.ref(self))
@@ -305,18 +309,35 @@ class ClusterCore:
             self.controller_lost = False
             self.start(progress)
         else:
-            old_ids = set(self._client.ids)
-            if not self._engines.stop_engines(self._helper_pids()):
-                self._ask_remote_engines_to_exit()
-            say(f"starting {n} new engine(s)")
-            self._engines.start_engines(n)
-            self._write_pidfile()
-            new_ids = self._engines.wait_for_registration(self._client, n, known=old_ids)
-            self._bootstrap(say, engine_ids=new_ids)
+            try:
+                self._replace_engines(n, say)
+            except KeyboardInterrupt:
+                raise self._abandon_restart() from None
         for proc in self.ranks:
             self.telemetry.rank_state(proc.spec.rank, "restarted", f"pid {proc.pid}")
         self.start_seconds = time.perf_counter() - started
         return self
+
+    def _replace_engines(self, n: int, say: Progress) -> None:
+        old_ids = set(self._client.ids)
+        if not self._engines.stop_engines(self._helper_pids()):
+            self._ask_remote_engines_to_exit()
+        say(f"starting {n} new engine(s)")
+        self._engines.start_engines(n)
+        self._write_pidfile()
+        new_ids = self._engines.wait_for_registration(self._client, n, known=old_ids)
+        self._bootstrap(say, engine_ids=new_ids)
+
+    def _abandon_restart(self) -> Interrupted:
+        """The stop button during a restart: stop the engines started so far (half set up, they
+        would hold ports and wait for peers) and leave every rank dead, for the next restart."""
+        watchdog.terminate_all(self._engines.local_pids(), grace=self.config.stop_timeout)
+        for proc in self.ranks:
+            if proc.state == "alive":
+                self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")
+        return Interrupted(
+            "the restart was interrupted: the engines it had started are stopped and no rank is "
+            "running; run %dist_restart (Cluster.restart()) again for a full cluster")
 
     def stop(self) -> list[int]:
         """Stop every process this cluster started, by PID; returns the PIDs that were stopped."""
@@ -345,26 +366,7 @@ class ClusterCore:
         remote = [p.spec.engine_id for p in self.ranks if not p.local and p.state == "alive"]
         ask_remote_engines_to_exit(self._client, remote)
 
-    # ------------------------------------------------------------------ multi-host, attach
-    @classmethod
-    def attach(
-        cls,
-        profile: str | None = None,
-        cluster_id: str = "",
-        *,
-        profile_dir: str | None = None,
-        url_file: str | None = None,
-        n: int | None = None,
-        progress: Progress | None = None,
-        **kwargs: Any,
-    ) -> ClusterCore:
-        """Use the engines of a cluster the user already started (`ipcluster start`, a Slurm
-        job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
-        group; restart() waits for the engines to be back (restart them yourself)."""
-        cluster = cls(n=n, **kwargs)
-        cluster._attach_target = attaching.attach_target(profile, cluster_id, profile_dir, url_file)
-        return cluster.start(progress)
-
+    # ------------------------------------------------------------------ attached engines
     def _attach_engines(self, say: Progress, target: dict[str, Any]) -> list[int]:
         self._attached = True
         self._client, ids = attaching.attach_engines(target, self.requested_n, self.config, say)
@@ -378,7 +380,6 @@ class ClusterCore:
         say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
         ids = attaching.wait_for_registered(self._client, n, self.config, exclude=dead_ids)
         self._bootstrap(say, engine_ids=ids)
-
 
     def __enter__(self) -> ClusterCore:
         return self.start()

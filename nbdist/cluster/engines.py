@@ -11,21 +11,24 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from subprocess import CalledProcessError
 from typing import Any
 
 from nbdist.cluster import slurm, watchdog
 from nbdist.cluster.launchers import (
     ENGINE_LOG_NOISE,
+    ENGINE_SET_CLASS,
     LauncherPlan,
     engine_set_launchers,
     has_local_pid,
 )
-from nbdist.cluster.processes import OwnedProcesses, Pid, process_trees
+from nbdist.cluster.processes import OwnedProcesses, Pid, private_files, process_trees
 from nbdist.config import NbdistConfig
-from nbdist.errors import ClusterStartError
+from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.text import tail
+from nbdist.worker.engine import USER_UMASK_ENV
 
 ExitHandler = Callable[[dict[str, Any]], None]
 """Called with ipyparallel's stop data ({"pid": ..., "exit_code": ...}) when an engine exits."""
@@ -58,7 +61,6 @@ class Engines:
             self.publish_engine_file(engine_file)
         client = self.ipp.connect_client_sync()
         self.wait_for_registration(client, n)
-        self.processes.harden_permissions()
         return client
 
     def start_controller(self, plan: LauncherPlan, n: int, early_engines: bool) -> str | None:
@@ -71,32 +73,38 @@ class Engines:
         if early_engines:
             engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
             _start_engines_early(plan, engine_file, self.config.engine_start_timeout)
-        slurm.place_batch_script(plan.config, profile_dir)
-        self.ipp = ipp.Cluster(
-            n=n,
-            profile_dir=profile_dir,
-            delay=0,
-            config=plan.config,
-            log=_quiet_logger(),
-            shutdown_atexit=False,
-            engine_timeout=int(self.config.engine_start_timeout),
-            **plan.cluster_kwargs,
-        )
-        if early_engines:
-            self.ipp.send_engines_connection_env = False
-        self.ipp.start_controller_sync()
+        with private_files() as user_umask, _starting("ipyparallel controller"):
+            _engines_restore_umask(plan, user_umask)
+            _create_profile_dir(profile_dir)
+            slurm.prepare_submission(plan.config, profile_dir)
+            self.ipp = ipp.Cluster(
+                n=n,
+                profile_dir=profile_dir,
+                delay=0,
+                config=plan.config,
+                log=_quiet_logger(),
+                shutdown_atexit=False,
+                engine_timeout=int(self.config.engine_start_timeout),
+                **plan.cluster_kwargs,
+            )
+            if early_engines:
+                self.ipp.send_engines_connection_env = False
+            self.ipp.start_controller_sync()
         self.processes.record_controller(self.ipp.controller.pid)
         return engine_file
 
     def start_engines(self, n: int) -> None:
         try:
-            self.ipp.start_engines_sync(n)
+            # private: the engines' logs (and the Slurm job's, via its umask)
+            with private_files(), _starting(f"{n} engine(s)"):
+                self.ipp.start_engines_sync(n)
         except CalledProcessError as exc:  # the batch system's submit command refused the job
             sets = list(self.ipp.engines.values())
             self.ipp.engines.clear()
             raise slurm.submit_error(exc, sets, self.config.batch_command_timeout) from None
         batch = slurm.job_launcher(self.ipp.engines.values())
         self.job = slurm.SlurmJob(batch, self.config) if batch is not None else None
+        self.processes.cancel_commands = [self.job.cancel_command] if self.job is not None else []
         for launcher in self.launchers():
             if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
                 launcher.on_stop(self.on_exit)
@@ -206,6 +214,7 @@ class Engines:
     def stop_through_ipyparallel(self) -> bool:
         """Stop the engines through ipyparallel (ssh kill, scancel...); False if that failed."""
         job, self.job = self.job, None
+        self.processes.cancel_commands = []
         try:
             self.ipp.stop_engines_sync()
             stopped = True
@@ -226,7 +235,22 @@ class Engines:
         for launcher in self.launchers():
             if hasattr(launcher, "_stop_waiting"):
                 launcher._stop_waiting.set()
+        _end_loop_thread(self.ipp, self.config.stop_timeout)
         self.ipp = None
+
+
+def _end_loop_thread(ipp: Any, timeout: float) -> None:
+    """ipyparallel runs its Cluster's coroutines on a thread of its own when the caller already
+    has a running event loop (a kernel always has) and never ends it: one thread and its loop's
+    file descriptors per %dist_start. End it with the Cluster."""
+    thread = getattr(ipp, "_async_thread", None)
+    loop = getattr(ipp, "_thread_loop", None)
+    if thread is None or loop is None:
+        return
+    loop.add_callback(loop.stop)
+    thread.join(timeout=timeout)
+    if not thread.is_alive():
+        loop.close(all_fds=False)
 
 
 def close_quietly(client: Any) -> None:
@@ -261,6 +285,41 @@ def _start_engines_early(plan: LauncherPlan, engine_file: str, wait_seconds: flo
     # the launcher, so the nanny would only add one more Python process per engine
     # (measured: about 0.7 s of the start on 2 cores)
     engine_set.engine_args.append("--IPEngine.enable_nanny=False")
+
+
+@contextmanager
+def _starting(what: str) -> Iterator[None]:
+    """ipyparallel's own failures while starting (a command that is not there, a trait value
+    it refuses) as one ClusterStartError that says what could not start and why."""
+    try:
+        yield
+    except (NbdistError, CalledProcessError):
+        raise
+    except Exception as exc:
+        raise ClusterStartError(f"could not start the {what}: {type(exc).__name__}: {exc}") from exc
+
+
+def _create_profile_dir(path: str) -> None:
+    from IPython.core.profiledir import ProfileDir
+
+    ProfileDir.create_profile_dir(path)
+    # the one file the umask misses: IPython copies its startup README with the source's mode
+    readme = os.path.join(path, "startup", "README")
+    if os.path.exists(readme):
+        os.chmod(readme, 0o600)
+
+
+def _engines_restore_umask(plan: LauncherPlan, user_umask: int) -> None:
+    # engines inherit the private umask they are started under (local ones, mpiexec's, and a
+    # Slurm job's, which takes sbatch's): each puts the user's own back first thing, so what the
+    # user's code writes on a rank (checkpoints...) is as open as under torchrun. ssh engines
+    # never had it: a remote shell starts with its own.
+    if plan.launcher == "ssh":
+        return
+    engine_set = plan.config[ENGINE_SET_CLASS[plan.launcher]]
+    environment = dict(engine_set.environment) if "environment" in engine_set else {}
+    environment.setdefault(USER_UMASK_ENV, f"{user_umask:03o}")
+    engine_set.environment = environment
 
 
 def _run_wait_thread_callbacks_at_once(launcher: Any) -> None:

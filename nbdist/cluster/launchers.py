@@ -7,19 +7,30 @@ on this machine (the only ones nbdist may signal or kill by PID).
 
 from __future__ import annotations
 
-import ipaddress
-import shlex
 import socket
 import sys
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from traitlets.config import Config
 
+from nbdist.cluster.launcher_options import (
+    address_option,
+    as_list,
+    check_passthrough,
+    flag,
+    slurm_options_into_template,
+    ssh_engine_hosts,
+    text_option,
+    whole_option,
+)
 from nbdist.errors import NbdistError, NbdistWarning
 from nbdist.worker import net
+
+__all__ = ["LAUNCHERS", "LauncherPlan", "MultiHostWarning", "build_launcher_plan",
+           "engine_command", "has_local_pid", "ssh_engine_hosts"]
 
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 """The values `launcher=` (and `%dist_start --launcher`) accept."""
@@ -96,85 +107,6 @@ def engine_command(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "nbdist.worker.engine"]
 
 
-def _flag(value: Any) -> bool:
-    """A yes/no option; from %dist_start -o it is text ("false", "0", "no" mean no)."""
-    if isinstance(value, str):
-        return value.strip().lower() not in ("", "0", "false", "no", "off")
-    return bool(value)
-
-
-def _as_list(value: Any, name: str) -> list[str]:
-    if isinstance(value, str):
-        return shlex.split(value)
-    if isinstance(value, Sequence):
-        return [str(v) for v in value]
-    raise NbdistError(f"launcher option {name}={value!r}: give a list of strings or one string")
-
-
-def ssh_engine_hosts(hosts: Any, n: int | None) -> dict[str, int]:
-    """`hosts` as ipyparallel's SSHEngineSetLauncher.engines: {"[user@]host[:port]": engines}.
-
-    A dict is taken as is; a list (or comma-separated string) of hosts shares `n` engines out
-    round-robin (one each when n is not given). Write "host*3" to give one host 3 engines.
-    """
-    if isinstance(hosts, Mapping):
-        out = {str(h): int(c) for h, c in hosts.items()}
-    else:
-        names = [h.strip() for h in hosts.split(",")] if isinstance(hosts, str) else [str(h) for h in hosts]
-        names = [h for h in names if h]
-        explicit: dict[str, int] = {}
-        for name in names:
-            if "*" in name:
-                host, count = name.rsplit("*", 1)
-                explicit[host] = explicit.get(host, 0) + int(count)
-        plain = [h for h in names if "*" not in h]
-        if explicit and plain:
-            raise NbdistError(f"hosts={hosts!r}: give every host a count (host*2) or none")
-        if explicit:
-            out = explicit
-        else:
-            out = {h: 0 for h in plain}
-            for i in range(n if n is not None else len(plain)):
-                out[plain[i % len(plain)]] += 1
-    if not out or any(c < 1 for c in out.values()):
-        raise NbdistError(f"ssh hosts {hosts!r}: every host needs at least one engine")
-    return out
-
-
-_SLURM_CONTEXT_LINES = (("queue", "--partition={queue}"), ("account", "--account={account}"),
-                        ("qos", "--qos={qos}"), ("timelimit", "--time={timelimit}"))
-
-
-def _slurm_options_into_template(slurm: Config) -> None:
-    """Extra sbatch options as #SBATCH lines of the engine job's script.
-
-    ipyparallel 9.2's SlurmLauncher.options reaches only the template context (a template must
-    say {options} to use it), so its default script silently drops them; and a template of our
-    own gets none of ipyparallel's automatic lines, so this one carries them all.
-    """
-    options = shlex.split(str(slurm.pop("options")))
-    if not options:
-        return
-    if "batch_template" in slurm or "batch_template_file" in slurm:
-        raise NbdistError(
-            "slurm: give extra sbatch options either as options= or inside your own "
-            "batch_template, not both"
-        )
-    lines = ["--export=ALL", "--job-name=ipengine-{cluster_id}", "--ntasks={n}",
-             "--output={output_file}"]
-    lines += [line for key, line in _SLURM_CONTEXT_LINES if slurm.get(key)]
-    pending = list(options)
-    while pending:
-        opt = pending.pop(0)
-        if not opt.startswith("-"):
-            raise NbdistError(f"slurm options {options!r}: {opt!r} is not an sbatch option")
-        if "=" not in opt and pending and not pending[0].startswith("-"):
-            opt = f"{opt} {pending.pop(0)}"  # "-c 8" -> "#SBATCH -c 8"
-        lines.append(opt.replace("{", "{{").replace("}", "}}"))
-    body = "\n".join(f"#SBATCH {line}" for line in lines)
-    slurm.batch_template = f"#!/bin/sh\n{body}\nsrun {{program_and_args}}\n"
-
-
 def _mpi_spans_hosts(mpi_args: list[str]) -> bool:
     return any(arg.split("=", 1)[0] in _MPI_HOST_FLAGS for arg in mpi_args)
 
@@ -213,11 +145,12 @@ def build_launcher_plan(
     opts = dict(options or {})
     engine_set = ENGINE_SET_CLASS[launcher]
     cfg = Config()
-    engine_python = str(opts.pop("engine_python", "") or "") or None
-    passthrough = {k: opts.pop(k) for k in list(opts) if "." in k}
+    engine_python = (text_option(opts.pop("engine_python"), "engine_python")
+                     if "engine_python" in opts else None)
+    passthrough = check_passthrough({k: opts.pop(k) for k in list(opts) if "." in k})
     _set_friendly_options(launcher, opts, cfg[engine_set])
     placement = _PLACEMENTS[launcher](cfg, opts, n, engine_python)
-    spans_hosts = _flag(opts.pop("spans_hosts")) if "spans_hosts" in opts else placement.spans_hosts
+    spans_hosts = flag(opts.pop("spans_hosts")) if "spans_hosts" in opts else placement.spans_hosts
     if interface is not None:
         spans_hosts = True
 
@@ -226,7 +159,11 @@ def build_launcher_plan(
     if launcher in ("local", "ssh"):  # their per-engine launchers take the command too
         cfg[f"{'Local' if launcher == 'local' else 'SSH'}EngineLauncher"].engine_cmd = command
     if "environment" in opts:
-        cfg[engine_set].environment = {str(k): str(v) for k, v in dict(opts.pop("environment")).items()}
+        environment = opts.pop("environment")
+        if not isinstance(environment, Mapping):
+            raise NbdistError(f"launcher option environment={environment!r}: give a dict of "
+                              "variable names to values (Cluster(launcher_options=...))")
+        cfg[engine_set].environment = {str(k): str(v) for k, v in environment.items()}
 
     controller_args = _controller_args(opts, spans_hosts)
     cluster_kwargs: dict[str, Any] = {"engine_launcher_class": f"ipyparallel.cluster.launcher.{engine_set}"}
@@ -253,11 +190,7 @@ def _set_friendly_options(launcher: str, opts: dict[str, Any], engine_set: Confi
     for key, trait in friendly.items():
         if key in opts:
             value = opts.pop(key)
-            if trait in _LIST_TRAITS:
-                value = _as_list(value, key)
-            elif trait == "timelimit" or isinstance(value, str):
-                value = str(value)
-            engine_set[trait] = value
+            engine_set[trait] = as_list(value, key) if trait in _LIST_TRAITS else text_option(value, key)
 
 
 @dataclass(frozen=True)
@@ -283,7 +216,7 @@ def _place_slurm(cfg: Config, opts: dict[str, Any], n: int | None, python: str |
     _no_hosts("slurm", opts)
     slurm = cfg[ENGINE_SET_CLASS["slurm"]]
     if "options" in slurm:
-        _slurm_options_into_template(slurm)
+        slurm_options_into_template(slurm)
     return _Placement(spans_hosts=True, engine_pids_local=False, engine_python=python)
 
 
@@ -292,7 +225,9 @@ def _place_mpi(cfg: Config, opts: dict[str, Any], n: int | None, python: str | N
     spans_hosts = _mpi_spans_hosts(list(mpi.get("mpi_args", [])))
     if "hosts" in opts:
         hosts = opts.pop("hosts")
-        names = hosts.split(",") if isinstance(hosts, str) else [str(h) for h in hosts]
+        names = as_list(hosts.replace(",", " ") if isinstance(hosts, str) else hosts, "hosts")
+        if not names:
+            raise NbdistError(f"mpi hosts={hosts!r}: name at least one host")
         mpi.mpi_args = ["--host", ",".join(names), *mpi.get("mpi_args", [])]
         spans_hosts = True
     # mpiexec's PID is local; the ranks it placed on other machines are not
@@ -324,27 +259,29 @@ def _controller_args(opts: dict[str, Any], spans_hosts: bool) -> list[str]:
     # payload ("unhandled iopub msg_type: 'data_message'"): ~9 MB an hour of training on 8
     # ranks. Errors only, unless the user's own --log-level (later on the line) says otherwise.
     args: list[str] = ["--log-level=40"]
-    args += _as_list(opts.pop("controller_args", []), "controller_args")
-    if _flag(opts.pop("curve", False)):
+    args += as_list(opts.pop("controller_args", []), "controller_args")
+    if flag(opts.pop("curve", False)):
         args.append("--IPController.enable_curve=True")
     if spans_hosts:
         # a dead host's engines are found by the controller's heartbeat (their PIDs are remote)
-        period = int(opts.pop("heartbeat_period_ms", 1000))
-        misses = int(opts.pop("heartbeat_misses", 5))
+        period = whole_option(opts.pop("heartbeat_period_ms", 1000), "heartbeat_period_ms")
+        misses = whole_option(opts.pop("heartbeat_misses", 5), "heartbeat_misses")
     else:
         # the hub completes an engine's registration on a heartbeat: at ipyparallel's 3 s period
         # the engines of a local cluster waited up to 3 s for it. Same tolerance (30 s) as its
         # default; the pings are answered by a C thread, so a busy engine is never missed.
-        period = int(opts.pop("heartbeat_period_ms", 500))
-        misses = int(opts.pop("heartbeat_misses", max(10, 30_000 // max(period, 1))))
+        period = whole_option(opts.pop("heartbeat_period_ms", 500), "heartbeat_period_ms")
+        misses = whole_option(opts.pop("heartbeat_misses", max(10, 30_000 // period)),
+                              "heartbeat_misses")
     return args + [f"--HeartMonitor.period={period}", f"--HeartMonitor.max_heartmonitor_misses={misses}"]
 
 
 def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str | None,
                         launcher: str, engine_set: Config) -> dict[str, str]:
     """Where the controller binds (controller_ip) and the name it advertises, if not its IP."""
-    controller_ip = opts.pop("controller_ip", None)
-    controller_location = opts.pop("controller_location", None)
+    controller_ip, controller_location = (
+        address_option(opts.pop(key), key) if key in opts else None
+        for key in ("controller_ip", "controller_location"))
     if controller_ip is None:
         if not spans_hosts:
             controller_ip = "127.0.0.1"
@@ -358,24 +295,23 @@ def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str 
         elif launcher == "ssh":
             controller_ip = route_source(_host_part(next(iter(engine_set.engines))))
         else:
-            # engines' hosts are unknown until the batch system places them: listen everywhere,
-            # advertise this host's name (pin it with interface= or controller_ip=)
-            controller_ip = "0.0.0.0"
-            controller_location = controller_location or socket.gethostname()
+            # engines' hosts are unknown until the batch system places them: listen on the one
+            # address they will look this host up by, never on every interface (0.0.0.0)
+            controller_ip = net.host_address()
+            if controller_ip is None:
+                raise NbdistError(
+                    f"--launcher {launcher}: cannot tell which network the engines reach this "
+                    f"host by ({socket.gethostname()!r} resolves to loopback or to no address of "
+                    f"it). Name it: --interface IFACE (interfaces here: "
+                    f"{', '.join(sorted(net.ipv4_addresses()))}) or -o controller_ip=ADDR")
+            controller_location = controller_location or controller_ip
     address = {"controller_ip": str(controller_ip)}
     if controller_location:
         address["controller_location"] = str(controller_location)
     return address
 
 
-ENGINE_LOG_NOISE = "[IPEngine]"  # an engine's own log chatter, left out of the log tails we show
-
-
-def is_loopback(address: str) -> bool:
-    try:
-        return ipaddress.ip_address(address).is_loopback
-    except ValueError:
-        return address == "localhost"
+ENGINE_LOG_NOISE = "[IPEngine"  # "[IPEngine]", "[IPEngine.3]": its own chatter, left out of the log tails we show
 
 
 def warn_unauthenticated_rendezvous() -> None:

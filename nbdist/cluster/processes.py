@@ -12,7 +12,8 @@ import signal
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psutil
@@ -35,6 +36,8 @@ class OwnedProcesses:
         self.watchdog: subprocess.Popen[bytes] | None = None
         self.controller: Pid | None = None
         self._controller_children: set[Pid] = set()
+        self.cancel_commands: list[list[str]] = []
+        """Commands that cancel the batch jobs of the engines (scancel ID), for the watchdog."""
 
     def create_workdir(self) -> str:
         self.workdir = tempfile.mkdtemp(prefix="nbdist-")  # 0700 by construction
@@ -66,18 +69,7 @@ class OwnedProcesses:
 
     def write_pidfile(self, pids: list[Pid]) -> None:
         if self.pidfile and os.path.isdir(self.workdir):
-            watchdog.write_pidfile(self.pidfile, pids)
-
-    def harden_permissions(self) -> None:
-        """ipyparallel writes some files 0644; keep everything owner-only (keys live here)."""
-        for root, dirs, files in os.walk(self.workdir):
-            for name in dirs:
-                os.chmod(os.path.join(root, name), 0o700)
-            for name in files:
-                try:
-                    os.chmod(os.path.join(root, name), 0o600)
-                except OSError:
-                    pass
+            watchdog.write_pidfile(self.pidfile, pids, self.cancel_commands)
 
     def start_watchdog(self) -> None:
         me = psutil.Process()
@@ -113,10 +105,25 @@ class OwnedProcesses:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
+@contextmanager
+def private_files() -> Iterator[int]:
+    """While ipyparallel starts processes and writes the cluster's files (connection files with
+    the key, logs, the profile's directories): umask 077, so each is owner-only from its creation.
+    The umask is per process, so the notebook's other threads meanwhile create owner-only files
+    too (never more open ones). Yields the umask it replaced, the user's."""
+    previous = os.umask(0o077)
+    try:
+        yield previous
+    finally:
+        os.umask(previous)
+
+
 def process_trees(pids: Iterable[int]) -> list[Pid]:
     """These local processes and all their children, as recorded PIDs (gone ones skipped)."""
     found: list[Pid] = []
     for pid in pids:
+        if not isinstance(pid, int) or pid <= 0:  # a launcher that never started has pid -1
+            continue
         try:
             proc = psutil.Process(pid)
             found.append((pid, proc.create_time()))

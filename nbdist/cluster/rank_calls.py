@@ -9,22 +9,33 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.rank_setup import collect
 from nbdist.cluster.remote import gather
-from nbdist.errors import NbdistError
+from nbdist.errors import Interrupted, NbdistError
 from nbdist.worker import bootstrap
 
 
 def push(views: Mapping[int, Any], values: dict[str, Any], timeout: float) -> None:
     """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
-    asyncs = {r: view.apply_async(bootstrap.receive_values, values) for r, view in views.items()}
-    collect(asyncs, timeout, "push", label="rank")
+    values = check_pushed_values(values)
+    try:
+        asyncs = {r: view.apply_async(bootstrap.receive_values, values) for r, view in views.items()}
+        collect(asyncs, timeout, "push", label="rank")
+    except KeyboardInterrupt:
+        raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may have "
+                          "the new values and others not; push again before using them") from None
 
 
 def pull(views: Mapping[int, Any], name: str, timeout: float) -> dict[int, Any]:
     """One name from each rank: {rank: value} (tensors arrive on CPU)."""
-    asyncs = {r: view.apply_async(bootstrap.send_values, [name]) for r, view in views.items()}
-    gathered = gather(asyncs, timeout)
+    check_variable_name(name, "pull")
+    try:
+        asyncs = {r: view.apply_async(bootstrap.send_values, [name]) for r, view in views.items()}
+        gathered = gather(asyncs, timeout)
+    except KeyboardInterrupt:
+        raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the ranks "
+                          "still hold it") from None
     if gathered.failures:
         first = min(gathered.failures)
         raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")

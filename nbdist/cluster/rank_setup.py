@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbdist.cluster.launchers import LauncherPlan
+from nbdist.cluster.memory_limit import memory_limit_bytes
 from nbdist.cluster.ranks import (
     EngineInfo,
     RankProcess,
@@ -117,6 +118,7 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         # breakpoint() answers travel as files there: only a rank on this machine can read them
         "breakpoint_dir": workdir if is_local_engine(probe) else None,
         "breakpoint_poll_interval": config.breakpoint_poll_interval,
+        "memory_limit": memory_limit_bytes(config.memory_limit),
     }
 
 

@@ -10,20 +10,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+from nbdist.cluster.arguments import check_rank_selection
 from nbdist.errors import NbdistError
 
 BACKENDS = ("auto", "nccl", "gloo")
 """The values `backend=` (and `%dist_start --backend`) accept."""
-
-
-def check_rank_request(n: int | None, gpus_per_rank: int, threads: int | None) -> None:
-    """Clear errors for a rank count, GPUs per rank or thread count that cannot work."""
-    if n is not None and (not isinstance(n, int) or n < 1):
-        raise NbdistError(f"-n {n!r}: the number of ranks must be a positive whole number")
-    if gpus_per_rank < 0:
-        raise NbdistError(f"--gpus-per-rank {gpus_per_rank}: must be 0 or more")
-    if threads is not None and threads < 1:
-        raise NbdistError(f"--threads {threads}: must be 1 or more")
 
 
 def validate_backend(requested: str) -> str:
@@ -93,7 +84,8 @@ class RankProcess:
 def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> list[int]:
     """The ranks a call goes to (all by default), sorted; each must exist and be alive."""
     world_size = len(ranks)
-    targets = list(range(world_size)) if selection is None else sorted(set(selection))
+    chosen = check_rank_selection(selection)
+    targets = list(range(world_size)) if chosen is None else sorted(set(chosen))
     bad = [r for r in targets if r < 0 or r >= world_size]
     if bad:
         raise NbdistError(f"rank(s) {bad} do not exist (ranks 0-{world_size - 1})")
@@ -117,7 +109,8 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
                 first, last = int(first_text), int(last_text)
                 if last < first:
                     raise NbdistError(f"--ranks range {part!r} runs backwards: write {last}-{first}")
-                selected.update(range(first, last + 1))
+                # only the part that exists is expanded: 0-99999999999 must not fill memory
+                selected.update(range(first, min(last, world_size) + 1), {last})
             else:
                 selected.add(int(part))
         except ValueError:

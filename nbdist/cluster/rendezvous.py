@@ -11,7 +11,7 @@ import socket
 from typing import Any
 
 from nbdist.cluster import watchdog
-from nbdist.cluster.launchers import is_loopback, warn_unauthenticated_rendezvous
+from nbdist.cluster.launchers import warn_unauthenticated_rendezvous
 from nbdist.cluster.ranks import RankSpec
 from nbdist.cluster.remote import short_error
 from nbdist.errors import ClusterStartError
@@ -45,14 +45,15 @@ class Rendezvous:
             self.master_addr = _rank0_address(probes[specs[0].engine_id], specs[0].host, self.interface)
 
     def interface_env(self, probe: dict[str, Any]) -> dict[str, str]:
-        """GLOO/NCCL_SOCKET_IFNAME for one rank: --interface, else (across hosts) the interface
+        """GLOO/NCCL/TP_SOCKET_IFNAME for one rank: --interface, else (across hosts) the interface
         that rank reaches the controller by; nothing extra for a local cluster."""
         name = self.interface
         if name is None and self.spans_hosts:
             name = probe.get("route_interface")
         if not name:
             return {}
-        return {"GLOO_SOCKET_IFNAME": str(name), "NCCL_SOCKET_IFNAME": str(name)}
+        return {"GLOO_SOCKET_IFNAME": str(name), "NCCL_SOCKET_IFNAME": str(name),
+                "TP_SOCKET_IFNAME": str(name)}
 
     def store_path(self, workdir: str, generation: int) -> str | None:
         """A file store per generation in the private directory when every rank is local."""
@@ -62,7 +63,7 @@ class Rendezvous:
 
     def port(self, client: Any, rank0_engine: int, timeout: float) -> int:
         """A fresh port for the store: picked here for a local master, else on rank 0 itself."""
-        if is_loopback(self.master_addr) or not self.spans_hosts:
+        if net.is_loopback(self.master_addr) or not self.spans_hosts:
             return net.free_port(self.master_addr)
         ar = client[rank0_engine].apply_async(net.free_port, self.master_addr)
         try:

@@ -1,5 +1,5 @@
 """Slurm specifics of engines submitted by ipyparallel's SlurmEngineSetLauncher: the job id, its
-state and reason (squeue), sbatch's own error, the end of a job in words, cancelling it for good.
+state and reason (scontrol), sbatch's own error, the end of a job in words, cancelling it for good.
 
 nbdist starts no Slurm process of its own beyond these queries; ipyparallel submits and cancels.
 """
@@ -7,6 +7,7 @@ nbdist starts no Slurm process of its own beyond these queries; ipyparallel subm
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import time
 from collections.abc import Callable
@@ -26,36 +27,63 @@ HOPELESS_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit
                     "PartitionInactive", "JobHeldAdmin", "DependencyNeverSatisfied")
 """Pending reasons Slurm gives a job that will not start without a change (cancelled at once)."""
 
+ENDING_REASONS = {"TimeLimit": "TIMEOUT", "NodeDown": "NODE_FAIL", "NonZeroExitCode": "FAILED",
+                  "JobLaunchFailure": "FAILED"}
+"""The reason Slurm gives a COMPLETING job -> the state it ends in (seen in Slurm 22.05's own
+output: a time limit shows COMPLETING/TimeLimit, then TIMEOUT)."""
+
+_FIELDS = re.compile(r"(?:^|\s)(JobState|Reason|ExitCode|TimeLimit)=(\S*)")
+
 
 @dataclass(frozen=True)
 class JobState:
-    """One squeue answer about a job."""
+    """One `scontrol show job` answer about a job."""
 
     state: str
-    """PENDING, RUNNING, CANCELLED, TIMEOUT...; "" once Slurm no longer knows the job."""
+    """PENDING, RUNNING, COMPLETING, CANCELLED, TIMEOUT...; "" once Slurm no longer knows the job."""
 
     reason: str
-    """Why it waits or ended (squeue's %r: Resources, Priority, TimeLimit, None...)."""
+    """Why it waits or ended (Resources, Priority, TimeLimit, NodeDown, None...)."""
 
     time_limit: str
-    """The job's time limit as squeue writes it (1:00, UNLIMITED)."""
+    """The job's time limit as Slurm writes it (00:10:00, UNLIMITED)."""
+
+    exit_signal: int = 0
+    """The signal that ended the job's batch script (ExitCode=0:15: 15), 0 if none (yet)."""
 
     @property
     def ended(self) -> bool:
+        """Slurm is done with the job: no step or process of it is left."""
         return self.state not in QUEUED and self.state not in ("RUNNING", "COMPLETING")
 
+    @property
+    def ending_as(self) -> str:
+        """The state the job ends in, "" while it runs or waits. Slurm shows an ending job as
+        COMPLETING until its steps are gone (7 s after a scancel here); its reason and exit code
+        already tell why: TimeLimit -> TIMEOUT, NodeDown -> NODE_FAIL, no reason but a signal
+        (scancel's SIGTERM ended the batch script) -> CANCELLED."""
+        if self.state != "COMPLETING":
+            return self.state if self.ended else ""
+        if self.reason in ENDING_REASONS:
+            return ENDING_REASONS[self.reason]
+        return "CANCELLED" if self.reason == "None" and self.exit_signal else ""
 
-def query(job_id: str, timeout: float = NbdistConfig.batch_command_timeout) -> JobState:
-    """`squeue -j ID -h -t all -o "%T|%r|%l"` (ended jobs stay listed for Slurm's MinJobAge)."""
+
+def query(job_id: str, timeout: float = NbdistConfig.batch_command_timeout) -> JobState | None:
+    """`scontrol show job -o ID` (ended jobs stay listed for Slurm's MinJobAge; unlike squeue it
+    also gives the exit code, which tells a cancelled COMPLETING job). State "" once Slurm no
+    longer knows the job; None when Slurm could not be asked (slurmctld busy or away)."""
     try:
-        out = subprocess.run(["squeue", "-j", job_id, "-h", "-t", "all", "-o", "%T|%r|%l"],
+        out = subprocess.run(["scontrol", "show", "job", "-o", job_id],
                              capture_output=True, text=True, timeout=timeout)
     except (OSError, subprocess.TimeoutExpired):
-        return JobState("", "", "")
-    fields = out.stdout.strip().splitlines()[0].split("|") if out.stdout.strip() else []
-    if out.returncode != 0 or len(fields) != 3:
-        return JobState("", "", "")
-    return JobState(*fields)
+        return None
+    fields = dict(_FIELDS.findall(out.stdout))
+    if out.returncode != 0 or "JobState" not in fields:
+        return JobState("", "", "") if "Invalid job id" in out.stderr else None
+    signal = fields.get("ExitCode", "0:0").partition(":")[2]
+    return JobState(fields["JobState"], fields.get("Reason", ""), fields.get("TimeLimit", ""),
+                    int(signal) if signal.isdigit() else 0)
 
 
 def job_launcher(engine_sets: Any) -> Any:
@@ -68,12 +96,17 @@ def job_launcher(engine_sets: Any) -> Any:
     return None
 
 
-def place_batch_script(config: Any, profile_dir: str) -> None:
+def prepare_submission(config: Any, profile_dir: str) -> None:
     """Write the job script into the cluster's profile, not the notebook's working directory
-    (ipyparallel joins its name onto '.')."""
+    (ipyparallel joins its name onto '.'), and submit it with --no-requeue: after a node failure
+    Slurm would otherwise requeue the job (PENDING again) and start engines nobody waits for; with
+    it the job ends as NODE_FAIL and its ranks are reported dead. A submit_command of the user's
+    own is kept as given."""
     slurm = config.SlurmEngineSetLauncher
     if "batch_file_name" not in slurm:
         slurm.batch_file_name = os.path.join(profile_dir, "slurm_engine.sbatch")
+    if "submit_command" not in slurm:
+        slurm.submit_command = ["sbatch", "--no-requeue"]
 
 
 def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> ClusterStartError:
@@ -92,10 +125,10 @@ def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> Cluste
 
 
 class SlurmJob:
-    """The engines' job: its state (throttled squeue), start-up progress, end and log."""
+    """The engines' job: its state (throttled scontrol), start-up progress, end and log."""
 
     def __init__(self, launcher: Any, config: NbdistConfig,
-                 query_job: Callable[[str, float], JobState] = query) -> None:
+                 query_job: Callable[[str, float], JobState | None] = query) -> None:
         self.launcher = launcher
         self.config = config
         self.job_id = str(launcher.job_id)
@@ -105,11 +138,13 @@ class SlurmJob:
         self._said = ""
 
     def state(self, fresh: bool = False) -> JobState:
-        # squeue asks slurmctld: a busy poll loop reuses the last answer for a while
+        # scontrol asks slurmctld: a busy poll loop reuses the last answer for a while
         if (fresh or self._last is None
                 or time.monotonic() - self._asked >= self.config.batch_query_interval):
             self._asked = time.monotonic()
-            self._last = self._query(self.job_id, self.config.batch_command_timeout)
+            answer = self._query(self.job_id, self.config.batch_command_timeout)
+            # Slurm not answering says nothing about the job: keep the last answer
+            self._last = answer or self._last or JobState("", "", "")
         return self._last
 
     def while_starting(self, say: Callable[[str], None]) -> bool:
@@ -129,6 +164,13 @@ class SlurmJob:
                                     + self.log_tail())
         return job.state in QUEUED
 
+    def summary(self) -> str:
+        """One line for %dist_status: the job, its state (and reason), time limit and log."""
+        job = self.state()
+        reason = f" ({job.reason})" if job.reason and job.reason != "None" else ""
+        return (f"Slurm job {self.job_id}: {job.ending_as or job.state or 'gone'}{reason}, "
+                f"time limit {job.time_limit or '?'}, log {self.launcher.output_file}")
+
     def _hint(self, job: JobState) -> str:
         if job.reason.startswith("Partition"):
             return "The partition has fewer CPUs/nodes or a shorter time limit than asked (sinfo)."
@@ -137,31 +179,33 @@ class SlurmJob:
     def end_detail(self, job: JobState | None = None) -> str:
         """The job's end in words, with its time limit when that is what ended it."""
         job = job or self.state()
-        if job.state == "TIMEOUT":
+        state = job.ending_as or job.state
+        if state == "TIMEOUT":
             return (f"Slurm job {self.job_id} reached its time limit ({job.time_limit}) and was "
                     "ended (TIMEOUT)")
-        if job.state == "CANCELLED":
-            return f"Slurm job {self.job_id} was cancelled (CANCELLED)"
-        if not job.state:
+        if state == "CANCELLED":
+            return f"Slurm job {self.job_id} was cancelled (CANCELLED: scancel)"
+        if state == "NODE_FAIL":
+            return (f"Slurm job {self.job_id} lost a node (NODE_FAIL, {job.reason}): the engines "
+                    "there are gone")
+        if not state:
             return f"Slurm job {self.job_id} is no longer known to Slurm"
-        return f"Slurm job {self.job_id} ended: {job.state}" + (
+        return f"Slurm job {self.job_id} ended: {state}" + (
             f" ({job.reason})" if job.reason and job.reason != "None" else "")
 
     def ended_detail(self, fresh: bool = False) -> str | None:
-        """end_detail if the job has ended or is ending, else None. Slurm shows an ending job as
-        COMPLETING until its steps are gone, hiding why: wait up to batch_end_settle s for the
-        final state."""
+        """end_detail if the job has ended or is ending, else None. A COMPLETING job whose reason
+        and exit code do not tell why yet (the moment before scancel's signal lands, or a job
+        that simply completed) gets up to batch_end_settle s to say."""
         job = self.state(fresh)
         deadline = time.monotonic() + self.config.batch_end_settle
-        while job.state == "COMPLETING" and job.reason != "TimeLimit":
+        while job.state == "COMPLETING" and not job.ending_as:
             if time.monotonic() > deadline:
-                return (f"Slurm job {self.job_id} is ending (COMPLETING: cancelled or failed; "
-                        "Slurm names which once its steps are gone)")
+                return (f"Slurm job {self.job_id} is ending (COMPLETING, reason {job.reason}; "
+                        "Slurm names why once its steps are gone)")
             time.sleep(0.2)
             job = self.state(fresh=True)
-        if job.state == "COMPLETING":  # reason TimeLimit: ended by its time limit
-            job = JobState("TIMEOUT", job.reason, job.time_limit)
-        return self.end_detail(job) if job.ended else None
+        return self.end_detail(job) if job.ended or job.ending_as else None
 
     def log_tail(self, lines: int = 20) -> str:
         """The end of the job's output file (every task's engine writes there)."""
@@ -174,10 +218,15 @@ class SlurmJob:
         return (f"--- Slurm job {self.job_id} log {path} (last {lines} lines) ---\n"
                 + tail(text, lines, skip=ENGINE_LOG_NOISE))
 
+    @property
+    def cancel_command(self) -> list[str]:
+        """The command that cancels the job (ipyparallel's delete_command: scancel ID)."""
+        return [*self.launcher.delete_command, self.job_id]
+
     def cancel(self, timeout: float) -> bool:
         """scancel the job (again: harmless) and wait until Slurm lists it as ended, so no step
         or engine is left; False if it is still there after `timeout`."""
-        subprocess.run(["scancel", self.job_id], capture_output=True,
+        subprocess.run(self.cancel_command, capture_output=True,
                        timeout=self.config.batch_command_timeout)
         deadline = time.monotonic() + timeout
         while not self.state(fresh=True).ended:

@@ -37,9 +37,11 @@ class ClusterStatus:
     controller: str
     rows: tuple[RankRow, ...]
     start_seconds: float
+    batch_job: str = ""
+    """The engines' batch job in one line (Slurm: id, state, time limit, log), "" if none."""
 
     @classmethod
-    def of(cls, cluster: ClusterCore) -> ClusterStatus:
+    def of(cls, cluster: ClusterCore, batch_job: str = "") -> ClusterStatus:
         rows = tuple(
             RankRow(
                 rank=p.spec.rank, local_rank=p.spec.local_rank, host=p.spec.host, pid=p.pid,
@@ -50,7 +52,7 @@ class ClusterStatus:
         )
         controller = "lost" if cluster.controller_lost else ("running" if cluster.running else "stopped")
         return cls(cluster.running, cluster.world_size, cluster.backend, cluster.generation,
-                   controller, rows, cluster.start_seconds)
+                   controller, rows, cluster.start_seconds, batch_job)
 
     def summary_line(self) -> str:
         if not self.running:
@@ -67,7 +69,8 @@ class ClusterStatus:
         return render_table(COLUMNS, body)
 
     def __str__(self) -> str:
-        return self.summary_line() + ("\n" + self.table() if self.rows else "")
+        job = f"\n{self.batch_job}" if self.batch_job else ""
+        return self.summary_line() + job + ("\n" + self.table() if self.rows else "")
 
     def _repr_pretty_(self, p: object, cycle: bool) -> None:
         p.text(str(self))  # type: ignore[attr-defined]
@@ -80,5 +83,6 @@ class ClusterStatus:
             + "</tr>"
             for r in self.rows
         )
-        return (f"<div><p>{html.escape(self.summary_line())}</p>"
+        job = f"<p>{html.escape(self.batch_job)}</p>" if self.batch_job else ""
+        return (f"<div><p>{html.escape(self.summary_line())}</p>{job}"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>")

@@ -2,8 +2,9 @@
 
 atexit does not run when a kernel is killed -9, so `Cluster.start` spawns this in its own session.
 It polls the kernel's PID (checked against its start time, so a reused PID does not fool it) and,
-once the kernel is gone, stops every PID listed in the cluster's pid file, by PID, then exits.
-It also exits quietly when the pid file is removed (a normal `%dist_stop`).
+once the kernel is gone, runs the cancel commands in the cluster's pid file (`scancel` of the
+engines' Slurm job: its engines are not ours to kill by PID), stops every PID listed there, by PID,
+then exits. It also exits quietly when the pid file is removed (a normal `%dist_stop`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import time
 
 import psutil
@@ -26,11 +28,31 @@ def read_pidfile(path: str) -> list[tuple[int, float]]:
         return []
 
 
-def write_pidfile(path: str, pids: list[tuple[int, float]]) -> None:
+def read_cancel_commands(path: str) -> list[list[str]]:
+    try:
+        with open(path) as f:
+            return [[str(arg) for arg in command] for command in json.load(f).get("cancel", [])]
+    except (OSError, ValueError, AttributeError, TypeError):
+        return []
+
+
+def write_pidfile(path: str, pids: list[tuple[int, float]],
+                  cancel_commands: list[list[str]] | None = None) -> None:
     tmp = f"{path}.tmp"
     with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        json.dump({"pids": pids}, f)
+        json.dump({"pids": pids, "cancel": cancel_commands or []}, f)
     os.replace(tmp, path)
+
+
+def run_cancel_commands(commands: list[list[str]], timeout: float = 30.0) -> None:
+    """Cancel the batch jobs the cluster submitted (best effort: one failing is no reason to
+    leave the others)."""
+    for command in commands:
+        try:
+            subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL, timeout=timeout)
+        except (OSError, subprocess.SubprocessError):
+            pass
 
 
 def same_process(pid: int, create_time: float) -> psutil.Process | None:
@@ -76,6 +98,7 @@ def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str
         if not os.path.exists(pidfile):
             return  # the cluster was stopped normally
         if same_process(parent_pid, parent_create_time) is None:
+            run_cancel_commands(read_cancel_commands(pidfile))
             terminate_all(read_pidfile(pidfile), grace=grace)
             shutil.rmtree(workdir, ignore_errors=True)
             return

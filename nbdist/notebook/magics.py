@@ -21,7 +21,13 @@ from nbdist.cluster.ranks import BACKENDS, parse_ranks
 from nbdist.config import DEFAULT
 from nbdist.errors import NbdistError
 from nbdist.export import SessionLog, export_session
-from nbdist.notebook.options import launcher_kwargs, positive_int, positive_seconds, push_values
+from nbdist.notebook.options import (
+    launcher_kwargs,
+    memory_size,
+    positive_int,
+    positive_seconds,
+    push_values,
+)
 from nbdist.notebook.sink import NotebookSink
 
 _CURRENT: Cluster | None = None
@@ -82,6 +88,8 @@ class DistMagics(Magics):
     @argument("--threads", type=positive_int, default=None, metavar="T", help="CPU threads per rank")
     @argument("--timeout", type=positive_seconds, default=None, metavar="S",
               help="default deadline for every %%%%distributed cell")
+    @argument("--memory-limit", type=memory_size, default=None, metavar="SIZE",
+              help="what each rank may allocate after start-up, e.g. 512MiB, 1GiB")
     @argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local",
               help="how ipyparallel starts the engines")
     @argument("--profile", default=None, metavar="P",
@@ -115,7 +123,8 @@ class DistMagics(Magics):
                 curve=args.curve, launcher_options=args.launcher_option)
         try:
             cluster = Cluster(n=args.n, backend=args.backend, gpus_per_rank=args.gpus_per_rank,
-                              threads=args.threads, config=config, **launch)
+                              threads=args.threads, config=config,
+                              memory_limit=args.memory_limit, **launch)
             cluster.start(progress=_progress)
         except NbdistError as exc:
             raise UsageError(f"%dist_start failed: {exc}\nNothing is left running.") from None
@@ -191,6 +200,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_status(self, line: str) -> Any:
         """%dist_status: ranks, hosts, PIDs, devices, states."""
+        _no_arguments("dist_status", line)
         if _CURRENT is None:
             print("nbdist: no cluster running (start one with %dist_start)")
             return None
@@ -200,6 +210,7 @@ class DistMagics(Magics):
     def dist_stop(self, line: str) -> None:
         """%dist_stop: stop every process nbdist started, by PID."""
         global _CURRENT
+        _no_arguments("dist_stop", line)
         if _CURRENT is None or not _CURRENT.running:
             print("nbdist: no cluster running")
             _CURRENT = None
@@ -213,11 +224,13 @@ class DistMagics(Magics):
     @line_magic
     def dist_restart(self, line: str) -> None:
         """%dist_restart: same ranks, new engine processes, new process group."""
+        _no_arguments("dist_restart", line)
         cluster = _CURRENT
         if cluster is None:
             raise UsageError("no cluster to restart: run %dist_start first")
         old = {p.spec.rank: p.pid for p in cluster.ranks}
-        cluster.restart(progress=_progress)
+        with _as_usage_error("%dist_restart: "):
+            cluster.restart(progress=_progress)
         print(f"nbdist: restarted {cluster.world_size} rank(s) in {cluster.start_seconds:.1f} s "
               f"(process group generation {cluster.generation}; old PIDs {sorted(old.values())})")
         print(cluster.status().table())
@@ -225,6 +238,7 @@ class DistMagics(Magics):
     @line_magic
     def dist_dashboard(self, line: str) -> Any:
         """%dist_dashboard: show the live per-rank memory and metrics dashboard."""
+        _no_arguments("dist_dashboard", line)
         return self._cluster().dashboard()
 
     @magic_arguments()
@@ -237,7 +251,7 @@ class DistMagics(Magics):
         args = _parse(self.dist_push, line)
         with _as_usage_error():
             values = push_values(args.items, self.shell.user_ns, self.shell.ev)
-        cluster.push(values)
+            cluster.push(values)
         _SESSION_LOG.record_push(values)
         print(f"nbdist: pushed {', '.join(values)} to {cluster.world_size} rank(s)")
 
@@ -321,6 +335,13 @@ class DistMagics(Magics):
             if _autodist_transform in transformers:
                 transformers.remove(_autodist_transform)
             print("nbdist: autodist off")
+
+
+def _no_arguments(magic: str, line: str) -> None:
+    # refused rather than ignored: `%dist_stop now` or `%dist_restart -n 4` must not run as if
+    # they had been understood
+    if line.strip():
+        raise UsageError(f"%{magic} takes no arguments (got {line.strip()!r})")
 
 
 def _scripted_answers(commands: list[str]) -> Callable[[str], str]:

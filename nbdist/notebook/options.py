@@ -4,9 +4,11 @@ types, %dist_start's multi-host flags as Cluster keyword arguments, %dist_push's
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from nbdist.cluster.memory_limit import memory_limit_bytes
 from nbdist.errors import NbdistError
 
 
@@ -27,9 +29,20 @@ def positive_seconds(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds (leave --timeout "
+                                         "out for no deadline)")
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
     return value
+
+
+def memory_size(text: str) -> int:
+    """An argparse type: --memory-limit as bytes (512MiB, 1GiB, 2GB or whole bytes)."""
+    try:
+        return int(memory_limit_bytes(text) or 0)
+    except NbdistError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--memory-limit {text!r}: ")) from None
 
 
 def launcher_kwargs(*, launcher: str = "local", profile: str | None = None,
@@ -69,14 +82,17 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
         raise NbdistError("%dist_push needs names (x y) or name=expression")
     values: dict[str, Any] = {}
     for item in items:
+        name, _, expr = item.partition("=")
+        name = name.strip()
+        if not name.isidentifier():  # checked first: nothing is evaluated for a bad name
+            raise NbdistError(f"%dist_push: {name!r} is not a valid name")
         if "=" in item:
-            name, expr = item.split("=", 1)
-            values[name.strip()] = evaluate(expr)
+            try:
+                values[name] = evaluate(expr)
+            except Exception as exc:  # the user's expression, shown as such (not as nbdist's)
+                raise NbdistError(f"%dist_push {item!r}: {type(exc).__name__}: {exc}") from None
         elif item in namespace:
             values[item] = namespace[item]
         else:
             raise NbdistError(f"%dist_push: {item!r} is not defined in the notebook")
-    for name in values:
-        if not name.isidentifier():
-            raise NbdistError(f"%dist_push: {name!r} is not a valid name")
     return values

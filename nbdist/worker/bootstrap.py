@@ -15,6 +15,7 @@ from typing import Any
 from nbdist.worker import collectives, net, process_group, release, script_calls, tracebacks
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
+from nbdist.worker.memory_limit import apply_memory_limit
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
 
@@ -29,6 +30,9 @@ class RankRuntime:
 
 
 RUNTIME = RankRuntime()
+
+LOCAL_SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
+"""Where gloo, NCCL and TensorPipe (torch.distributed.rpc) open their sockets."""
 
 
 def probe(peer: str | None = None) -> dict[str, Any]:
@@ -74,6 +78,8 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     RUNTIME.pg_timeout = float(options["pg_timeout"])
     init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
                             options.get("store_path"))
+    # last: torch, the engine and the group are the baseline the budget is counted from
+    memory_limit = apply_memory_limit(options.get("memory_limit"), device)
     return {
         "rank": spec["rank"],
         "host": socket.gethostname(),
@@ -82,6 +88,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "backend": spec["backend"],
         "threads": threads,
         "pg_seconds": init["seconds"],
+        "memory_limit": memory_limit,
     }
 
 
@@ -110,10 +117,14 @@ def _pin_device(spec: dict[str, Any], options: dict[str, Any]) -> Any:
         device = torch.device("cuda", gpus[0])
     else:
         device = torch.device("cpu")
-    if spec["backend"] == "gloo" and options.get("socket_ifname"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", options["socket_ifname"])
+    if options.get("socket_ifname"):
+        # a local cluster: gloo, NCCL's bootstrap and TensorPipe (rpc) would otherwise listen on
+        # the interface the host name resolves to, or the first non-loopback one (NCCL); a name
+        # the user exported stays theirs
+        for name in LOCAL_SOCKET_IFNAME_VARS:
+            os.environ.setdefault(name, options["socket_ifname"])
     # multi-host: the interface that reaches the other ranks (or --interface), set on every rank
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+    for name in LOCAL_SOCKET_IFNAME_VARS:
         if options.get("interface_env") and options["interface_env"].get(name):
             os.environ[name] = options["interface_env"][name]
     return device

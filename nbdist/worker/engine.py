@@ -24,12 +24,23 @@ def _preload() -> None:
 
 _CRASH_LOG = None
 
+USER_UMASK_ENV = "NBDIST_USER_UMASK"
+"""The notebook's umask (octal): nbdist starts engines under a private one (owner-only files,
+`nbdist.cluster.processes.private_files`); the engine puts the user's back before any user code."""
+
+
+def _restore_user_umask() -> None:
+    value = os.environ.pop(USER_UMASK_ENV, None)
+    if value:
+        os.umask(int(value, 8))
+
 
 def main() -> None:
     # a segfault or abort then leaves a Python stack in the engine log, which nbdist shows
     # ipykernel later points fd 2 at a pipe that a thread forwards to the notebook; that thread
     # dies with the process, so write crash stacks to a duplicate of the real stderr (the log)
     global _CRASH_LOG
+    _restore_user_umask()
     release.install()  # first: before any thread starts (see nbdist.worker.release)
     # ipykernel imports debugpy (and pydevd: ~0.1 s of CPU per engine) for a debugger that
     # ipyparallel engines cannot use ("debugging will not be enabled"); it copes without it

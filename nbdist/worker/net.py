@@ -6,6 +6,7 @@ Plain stdlib and psutil, no torch: the notebook imports this too.
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 
@@ -60,3 +61,27 @@ def route_to(peer: str) -> tuple[str | None, str | None]:
         if address in addrs:
             return address, name
     return address, None
+
+
+def is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(address).is_loopback
+    except ValueError:
+        return address == "localhost"
+
+
+def host_address() -> str | None:
+    """This host's own non-loopback IPv4 address that peers most likely reach it by: the one its
+    name resolves to, else the one of the interface with the default route; None if neither."""
+    mine = {a for addresses in ipv4_addresses().values() for a in addresses if not is_loopback(a)}
+    try:
+        named = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        named = ""
+    if named in mine:
+        return named
+    try:
+        routed = route_source("192.0.2.1")  # TEST-NET-1: any off-host address gives the default route
+    except OSError:
+        return None
+    return routed if routed in mine else None

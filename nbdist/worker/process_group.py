@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 import time
 from typing import Any
 
@@ -24,8 +25,9 @@ def init_generation(
     store_path: str | None = None,
 ) -> dict[str, Any]:
     """Join generation `generation`. On one host the store is a file in the cluster's private
-    directory (`store_path`, new per generation): nothing listens on a port at all, since torch's
-    TCP store binds every interface. Across hosts: a TCP store on rank 0 (`master_addr:port`)."""
+    directory (`store_path`, new per generation, owner-only): nothing listens on a port at all.
+    Across hosts (or on a named interface): a TCP store on rank 0, listening on `master_addr:port`
+    only (see `_tcp_store`)."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
@@ -40,9 +42,12 @@ def init_generation(
     if backend == "nccl" and gpu is not None:
         kwargs["device_id"] = torch.device("cuda", gpu)
     if store_path is not None:
+        # torch creates the file with the rank's umask (the user's: often world-readable);
+        # created first, owner-only, it keeps that mode
+        os.close(os.open(store_path, os.O_WRONLY | os.O_CREAT, 0o600))
         kwargs["store"] = dist.FileStore(store_path, world_size)
     else:
-        kwargs["init_method"] = f"tcp://{master_addr}:{port}"
+        kwargs["store"] = _tcp_store(master_addr, port, rank, world_size, timeout_s)
     # torch's own function: `dist.init_process_group` is the cells' wrapper (script_calls)
     distributed_c10d.init_process_group(
         backend=backend,
@@ -61,6 +66,30 @@ def init_generation(
             f"expected {expected}"
         )
     return {"generation": generation, "seconds": time.perf_counter() - started}
+
+
+def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
+    """The generation's TCP store. torch's store server listens on every interface (`::`)
+    whatever host it is given, and it is unauthenticated: rank 0 binds the listening socket
+    itself, on `master_addr` only (the interface nbdist or the user chose), and hands it over."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if rank != 0:
+        return dist.TCPStore(master_addr, port, world_size, is_master=False, timeout=timeout)
+    family, _kind, _proto, _name, address = socket.getaddrinfo(
+        master_addr, port, type=socket.SOCK_STREAM)[0]
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(address)
+        listener.listen(max(128, world_size))
+    except OSError:
+        listener.close()
+        raise
+    # the store owns the descriptor from here on (it closes it when the generation ends)
+    return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach())
 
 
 def teardown() -> bool:

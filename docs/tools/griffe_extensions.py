@@ -1,0 +1,37 @@
+"""Griffe extensions for the API reference: each magic's docstring gains the usage and options
+IPython prints for ``%dist_start?``; Sphinx roles (:class:`X`) in docstrings show as code."""
+
+from __future__ import annotations
+
+import importlib
+import re
+from typing import Any
+
+import griffe
+
+MAGICS_CLASS = "nbdist.notebook.magics.DistMagics"
+_ROLE = re.compile(r":(?:class|func|meth|attr|mod|exc|obj):`~?([^`]+)`")
+
+
+class SphinxRoles(griffe.Extension):
+    def on_instance(self, *, obj: griffe.Object, **kwargs: Any) -> None:
+        if obj.docstring is not None and ":`" in obj.docstring.value:
+            obj.docstring.value = _ROLE.sub(r"`\1`", obj.docstring.value)
+
+
+class MagicUsage(griffe.Extension):
+    def on_function_instance(self, *, func: griffe.Function, **kwargs: Any) -> None:
+        if func.parent is None or func.parent.path != MAGICS_CLASS or func.docstring is None:
+            return
+        module, _, name = MAGICS_CLASS.rpartition(".")
+        method = getattr(getattr(importlib.import_module(module), name), func.name, None)
+        help_text = getattr(method, "__doc__", None) or ""
+        if not help_text.startswith("::"):  # no magic_arguments: the docstring is all there is
+            return
+        summary = func.docstring.value.strip()
+        # the help text is "::", the usage, the docstring, then the options
+        usage = help_text.removeprefix("::").replace(summary, "").strip("\n")
+        lines = [line[2:] if line.startswith("  ") and not line.startswith("   ") else line
+                 for line in usage.splitlines()]
+        func.docstring = griffe.Docstring(
+            summary + "\n\n```text\n" + "\n".join(lines).strip("\n") + "\n```", parent=func)

@@ -1,0 +1,112 @@
+"""What a user passes to `Cluster(...)` and its methods (the magics' options end up here too),
+checked before any process starts or any rank is asked: each bad value is an NbdistError that
+names the argument and says what would fit, never a TypeError from deeper down.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from nbdist.config import NbdistConfig
+from nbdist.errors import NbdistError
+
+
+def _is_whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_cluster_arguments(*, n: Any, gpus_per_rank: Any, threads: Any, config: Any,
+                            master_addr: Any, launcher: Any, launcher_options: Any, profile: Any,
+                            interface: Any) -> dict[str, Any]:
+    """Cluster's arguments but the backend (`ranks.validate_backend`) and what the launcher plan
+    checks itself; returns the launcher options as a plain dict."""
+    check_counts(n, gpus_per_rank, threads)
+    return check_cluster_options(config=config, master_addr=master_addr, launcher=launcher,
+                                 launcher_options=launcher_options, profile=profile,
+                                 interface=interface)
+
+
+def check_counts(n: Any, gpus_per_rank: Any, threads: Any) -> None:
+    """A rank count (or None: one per GPU), GPUs per rank (0 or more), threads (or None)."""
+    if n is not None and (not _is_whole(n) or n < 1):
+        raise NbdistError(f"-n {n!r}: the number of ranks must be a positive whole number")
+    if not _is_whole(gpus_per_rank) or gpus_per_rank < 0:
+        raise NbdistError(f"--gpus-per-rank {gpus_per_rank!r}: must be a whole number, 0 or more")
+    if threads is not None and (not _is_whole(threads) or threads < 1):
+        raise NbdistError(f"--threads {threads!r}: must be a whole number, 1 or more")
+
+
+def check_cluster_options(*, config: Any, master_addr: Any, launcher: Any,
+                          launcher_options: Any, profile: Any, interface: Any) -> dict[str, Any]:
+    """The rest of Cluster's arguments; returns the launcher options as a plain dict."""
+    if config is not None and not isinstance(config, NbdistConfig):
+        raise NbdistError(f"config={config!r}: give an nbdist.config.NbdistConfig "
+                          "(e.g. NbdistConfig(cell_timeout=60))")
+    for name, value in (("--master-addr", master_addr), ("--interface", interface),
+                        ("--profile", profile)):
+        if value is not None and (not isinstance(value, str) or not value.strip()
+                                  or value.strip() != value or any(c.isspace() for c in value)):
+            raise NbdistError(f"{name} {value!r}: give a name or address, without spaces")
+    if not isinstance(launcher, str):
+        raise NbdistError(f"--launcher {launcher!r}: give its name (local, mpi, slurm or ssh)")
+    if launcher_options is None:
+        return {}
+    if not isinstance(launcher_options, Mapping):
+        raise NbdistError(f"launcher_options={launcher_options!r}: give a dict of option names "
+                          "to values (e.g. {'partition': 'gpu'})")
+    bad_keys = [key for key in launcher_options if not isinstance(key, str) or not key.strip()]
+    if bad_keys:
+        raise NbdistError(f"launcher_options: {bad_keys!r} are not option names")
+    return dict(launcher_options)
+
+
+def check_seconds(value: Any, name: str = "--timeout") -> float | None:
+    """None, or a finite number of seconds above 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise NbdistError(f"{name} {value!r}: must be a positive number of seconds")
+    if not math.isfinite(value) or value <= 0:
+        raise NbdistError(f"{name} {value}: must be a positive number of seconds, finite "
+                          "(leave it out for no deadline)")
+    return float(value)
+
+
+def check_rank_selection(selection: Any) -> list[int] | None:
+    """None (every rank) or some ranks as whole numbers; bounds are the cluster's to check."""
+    if selection is None:
+        return None
+    if isinstance(selection, (str, bytes)) or not isinstance(selection, Iterable):
+        raise NbdistError(f"ranks={selection!r}: give a list of rank numbers, e.g. [0, 2] "
+                          "(in a magic: --ranks 0,2-3)")
+    ranks = list(selection)
+    not_whole = [r for r in ranks if not _is_whole(r)]
+    if not_whole:
+        raise NbdistError(f"ranks={selection!r}: {not_whole!r} are not rank numbers")
+    if not ranks:
+        raise NbdistError("ranks=[]: no rank selected (leave ranks out for every rank)")
+    return ranks
+
+
+def check_variable_name(name: Any, what: str) -> str:
+    """A Python identifier, as a rank's namespace needs it."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise NbdistError(f"{what}: {name!r} is not a valid Python name")
+    return name
+
+
+def check_code(code: Any, what: str = "the cell") -> str:
+    if not isinstance(code, str):
+        raise NbdistError(f"{what} must be source text (a str), not {type(code).__name__}")
+    return code
+
+
+def check_pushed_values(values: Any) -> dict[str, Any]:
+    """What `push` binds on the ranks: a non-empty mapping of Python names to values."""
+    if not isinstance(values, Mapping) or not values:
+        raise NbdistError(f"push: give a dict of names to values, e.g. {{'lr': 0.1}}, not {values!r}")
+    for name in values:
+        check_variable_name(name, "push")
+    return dict(values)

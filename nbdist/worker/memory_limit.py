@@ -1,0 +1,77 @@
+"""The per-rank memory budget (`--memory-limit`), applied inside the rank after start-up so that
+the notebook, the controller and the engine's nanny stay unlimited.
+
+CPU: the soft RLIMIT_DATA becomes what the rank's data mappings hold after start-up plus the
+budget. RLIMIT_DATA counts private writable mappings (heap, anonymous mmaps: every tensor) and not
+the shared libraries or the PROT_NONE reservations glibc makes per thread, which RLIMIT_AS counts:
+measured in an nbdist rank after `import torch` and the gloo group, VmSize is ~1.4 GiB, VmData
+~0.3 GiB and VmRSS ~0.25 GiB (numbers and the choice: README, "Memory limit"). An allocation past
+it fails where it is made: MemoryError, or torch's "DefaultCPUAllocator: can't allocate memory".
+GPU: `torch.cuda.set_per_process_memory_fraction` caps torch's CUDA allocator at the budget (the
+CUDA context is not counted, like the CPU baseline).
+"""
+
+from __future__ import annotations
+
+import resource
+from typing import Any
+
+STATE: dict[str, Any] = {}
+"""What `apply_memory_limit` did in this process: mechanism, limit, baseline, soft_limit."""
+
+
+def data_bytes() -> int:
+    """VmData (private writable mappings: what RLIMIT_DATA counts) in bytes; 0 off Linux."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmData:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def apply_memory_limit(limit: int | None, device: Any) -> dict[str, Any]:
+    """Cap what this rank may allocate from now on at `limit` bytes (None: leave it unlimited)."""
+    if limit is None:
+        return {}
+    if getattr(device, "type", "cpu") == "cuda":
+        return _cap_cuda(int(limit), device)
+    baseline = data_bytes()
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    new_soft = baseline + int(limit)
+    if hard != resource.RLIM_INFINITY:
+        new_soft = min(new_soft, hard)
+    # the soft limit only: the rank (or nbdist) may lift it again; a budget, not a sandbox
+    resource.setrlimit(resource.RLIMIT_DATA, (new_soft, hard))
+    STATE.clear()
+    STATE.update(mechanism="RLIMIT_DATA", limit=int(limit), baseline=baseline, soft_limit=new_soft,
+                 previous_soft_limit=soft)
+    return dict(STATE)
+
+
+def _cap_cuda(limit: int, device: Any) -> dict[str, Any]:
+    import torch
+
+    total = torch.cuda.get_device_properties(device).total_memory
+    fraction = min(1.0, limit / total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    STATE.clear()
+    STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, fraction=fraction,
+                 total=total)
+    return dict(STATE)
+
+
+def memory_budget() -> dict[str, Any]:
+    """This rank's budget now: the limit, and how much of it is in use (CPU: VmData beyond the
+    start-up baseline; GPU: torch.cuda.memory_allocated)."""
+    if not STATE:
+        return {"limit": None, "in_use": None}
+    if STATE["mechanism"] == "RLIMIT_DATA":
+        in_use = data_bytes() - STATE["baseline"]
+    else:
+        import torch
+
+        in_use = torch.cuda.memory_allocated()
+    return {"limit": STATE["limit"], "in_use": in_use, "mechanism": STATE["mechanism"]}
