@@ -20,6 +20,7 @@ _LAZY: dict[str, str] = {
     "NbdistError": "nbdist.errors",
     "NbdistConfig": "nbdist.config",
     "log": "nbdist.worker.metrics",
+    "memory_budget": "nbdist.worker.memory_limit",
     "prepare": "nbdist.strategies",
     "save_checkpoint": "nbdist.strategies.checkpoint",
     "load_checkpoint": "nbdist.strategies.checkpoint",

@@ -10,7 +10,6 @@ import psutil
 import pytest
 import torch
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
 
 from nbdist import Cluster
 from nbdist.cells.out_of_memory import is_out_of_memory
@@ -159,16 +158,6 @@ def test_a_rank_killed_by_a_failed_allocation_is_named_and_restart_keeps_the_lim
 
 
 # --- through the magic --------------------------------------------------------------------------
-
-@pytest.fixture
-def ip(assert_all_gone):
-    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "nbdist")
-    yield shell
-    cluster = magics.current_cluster()
-    if cluster is not None and cluster.running:
-        assert_all_gone(cluster.stop())
-
 
 def test_the_magic_refuses_a_bad_size(ip):
     with pytest.raises(UsageError, match="--memory-limit.*not a size"):

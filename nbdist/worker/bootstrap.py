@@ -15,7 +15,7 @@ from typing import Any
 from nbdist.worker import collectives, net, process_group, release, script_calls, tracebacks
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.memory_limit import apply_memory_limit
+from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
 
@@ -220,9 +220,11 @@ def _install_hooks(shell: Any) -> None:
 def rebuild_process_group(
     port: int, generation: int, master_addr: str, store_path: str | None = None
 ) -> dict[str, Any]:
-    """Tear the current group down and join a new generation on a fresh port."""
-    process_group.teardown()
-    return _join_generation(generation, master_addr, port, store_path)
+    """Tear the current group down and join a new generation on a fresh port (outside the
+    rank's --memory-limit: its new threads must start even when a cell filled the budget)."""
+    with lifted():
+        process_group.teardown()
+        return _join_generation(generation, master_addr, port, store_path)
 
 
 def teardown_process_group() -> bool:

@@ -5,7 +5,7 @@ CPU: the soft RLIMIT_DATA becomes what the rank's data mappings hold after start
 budget. RLIMIT_DATA counts private writable mappings (heap, anonymous mmaps: every tensor) and not
 the shared libraries or the PROT_NONE reservations glibc makes per thread, which RLIMIT_AS counts:
 measured in an nbdist rank after `import torch` and the gloo group, VmSize is ~1.4 GiB, VmData
-~0.3 GiB and VmRSS ~0.25 GiB (numbers and the choice: README, "Memory limit"). An allocation past
+~0.3 GiB and VmRSS ~0.25 GiB (numbers and the choice: docs/FAULTS.md). An allocation past
 it fails where it is made: MemoryError, or torch's "DefaultCPUAllocator: can't allocate memory".
 GPU: `torch.cuda.set_per_process_memory_fraction` caps torch's CUDA allocator at the budget (the
 CUDA context is not counted, like the CPU baseline).
@@ -13,8 +13,14 @@ CUDA context is not counted, like the CPU baseline).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import resource
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
 STATE: dict[str, Any] = {}
 """What `apply_memory_limit` did in this process: mechanism, limit, baseline, soft_limit."""
@@ -38,6 +44,7 @@ def apply_memory_limit(limit: int | None, device: Any) -> dict[str, Any]:
         return {}
     if getattr(device, "type", "cpu") == "cuda":
         return _cap_cuda(int(limit), device)
+    fixed_threshold = _return_freed_memory()
     baseline = data_bytes()
     soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     new_soft = baseline + int(limit)
@@ -47,8 +54,20 @@ def apply_memory_limit(limit: int | None, device: Any) -> dict[str, Any]:
     resource.setrlimit(resource.RLIMIT_DATA, (new_soft, hard))
     STATE.clear()
     STATE.update(mechanism="RLIMIT_DATA", limit=int(limit), baseline=baseline, soft_limit=new_soft,
-                 previous_soft_limit=soft)
+                 previous_soft_limit=soft, mmap_threshold_fixed=fixed_threshold)
     return dict(STATE)
+
+
+def _return_freed_memory() -> bool:
+    """glibc: serve every block of 128 KiB or more with its own mmap, unmapped when freed. By
+    default glibc raises that threshold after the first large free (up to 32 MiB), and freed
+    tensors then stay in the heap, still counted against the budget (measured: a model's 80 MiB
+    of full parameters, sharded by FSDP, still counted after the shards replaced them)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024))
+    except (OSError, AttributeError):  # not glibc
+        return False
 
 
 def _cap_cuda(limit: int, device: Any) -> dict[str, Any]:
@@ -75,3 +94,18 @@ def memory_budget() -> dict[str, Any]:
 
         in_use = torch.cuda.memory_allocated()
     return {"limit": STATE["limit"], "in_use": in_use, "mechanism": STATE["mechanism"]}
+
+
+@contextmanager
+def lifted() -> Iterator[None]:
+    """The CPU budget lifted while nbdist itself works inside the rank: formatting the very error
+    that hit the limit needs memory too (IPython's traceback formatter failed there otherwise)."""
+    if STATE.get("mechanism") != "RLIMIT_DATA":
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))

@@ -15,11 +15,12 @@ import sys
 import traceback as _traceback
 from typing import Any
 
+from nbdist.worker import memory_limit
 from nbdist.worker.collectives import is_cell_file, is_transport_failure
 
 
 def install(shell: Any) -> None:
-    shell.set_custom_exc((KeyboardInterrupt, RuntimeError), _format)
+    shell.set_custom_exc((KeyboardInterrupt, RuntimeError, MemoryError), _format)
     # IPython's history keeps a second rendering of every error; the engines never need it
     shell._format_exception_for_storage = _for_storage
 
@@ -28,11 +29,12 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: A
     """IPython's custom-exception hook. It must show the error itself: IPython 9 drops what the
     hook returns, and ipykernel's error reply takes the traceback from ``_showtraceback``."""
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # as showtraceback does
-    if etype is KeyboardInterrupt or is_transport_failure(value):
-        stb = plain(etype, value, tb)
-    else:
-        stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
-    shell._showtraceback(etype, value, stb)
+    with memory_limit.lifted():  # an error that hit --memory-limit must still be shown
+        if etype is KeyboardInterrupt or is_transport_failure(value):
+            stb = plain(etype, value, tb)
+        else:
+            stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
+        shell._showtraceback(etype, value, stb)
     return stb
 
 
