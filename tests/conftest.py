@@ -379,3 +379,25 @@ def real_kernel(tmp_path: Path) -> Iterator[KernelSession]:
         yield session
     finally:
         session.close()
+
+
+# --- IPython's shell with the magics ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ip(assert_all_gone: Callable[..., None]) -> Iterator[object]:
+    """IPython's global test shell with nbdist's magics loaded. After the module, the cluster its
+    tests left running is stopped by PID and forgotten, as `%dist_stop` would: the next module
+    starts with no current cluster (not a stopped one left behind)."""
+    from IPython.testing import globalipapp
+
+    from nbdist.notebook import magics
+
+    # start_ipython() returns None once another module started the shell
+    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "nbdist")
+    yield shell
+    cluster = magics.current_cluster()
+    if cluster is not None and cluster.running:
+        assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
+    magics._CURRENT = None

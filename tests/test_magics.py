@@ -5,22 +5,10 @@ from __future__ import annotations
 import psutil
 import pytest
 from IPython.core.error import UsageError
-from IPython.testing import globalipapp
 
 from nbdist.errors import NbdistError
 from nbdist.notebook import magics
 from nbdist.notebook.options import launcher_kwargs, push_values
-
-
-@pytest.fixture(scope="module")
-def ip(assert_all_gone):
-    # start_ipython() returns None once another module (test_export) started the shell
-    shell = globalipapp.start_ipython() or globalipapp.get_ipython()
-    shell.run_line_magic("load_ext", "nbdist")
-    yield shell
-    cluster = magics.current_cluster()
-    if cluster is not None and cluster.running:
-        assert_all_gone(cluster.stop())  # stop() returns the PIDs it stopped
 
 
 def test_launcher_flags_become_cluster_kwargs_without_ipython():

@@ -75,7 +75,6 @@ class CellRun:
 
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
-        client = self.cluster.client
         self.cluster.telemetry.cell_has_metrics = False
         try:
             # views first: building one is ~0.4 ms of Python, and doing it between sends makes
@@ -84,7 +83,10 @@ class CellRun:
             for rank in self.targets:
                 ar = views[rank].execute(self.result.code, silent=False, block=False)
                 self.asyncs[rank] = ar
-                self.metadata[rank] = client.metadata[ar.msg_ids[0]]
+                # the AsyncResult's own metadata dict: client.metadata[msg_id] may already have
+                # been dropped by ipyparallel, and the lookup then makes a new, empty one (the
+                # rank's value and output lost: 3 cells in 300 here)
+                self.metadata[rank] = ar.metadata
                 self._attach(rank, ar)
             try:
                 self._wait()

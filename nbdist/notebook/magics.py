@@ -248,7 +248,7 @@ class DistMagics(Magics):
     def dist_push(self, line: str) -> None:
         """Send values to every rank (tensors land on each rank's device)."""
         cluster = self._cluster()
-        args = _parse(self.dist_push, line)
+        args = _parse(self.dist_push, line, posix=False)  # an expression keeps its quotes: s='a'
         with _as_usage_error():
             values = push_values(args.items, self.shell.user_ns, self.shell.ev)
             cluster.push(values)
