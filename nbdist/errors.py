@@ -22,7 +22,7 @@ class ClusterStartError(NbdistError):
 class DistributedCellError(NbdistError):
     """A distributed cell failed on one or more ranks.
 
-    ``result`` is the full :class:`nbdist.cells.runner.CellResult` (per-rank outputs, errors, report).
+    ``result`` is the full :class:`nbdist.cells.result.CellResult` (per-rank outputs, errors, report).
     """
 
     def __init__(self, message: str, result: object) -> None:
