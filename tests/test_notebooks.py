@@ -72,6 +72,10 @@ def test_every_tutorial_is_here() -> None:
 @pytest.mark.parametrize("path", _params())
 def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
+    # DeepSpeed's C++ ops, built once by .ci/setup (.ci/prebuild-ops): the kernel and its ranks
+    # inherit this, or 05_deepspeed builds them again mid-cell (~90 s each, 210 s seen under load)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get(
+        "TORCH_EXTENSIONS_DIR", str(NOTEBOOK_DIR.parent / ".torch_extensions")))
     nb, seconds = run_notebook(path, tmp_path)
     check_tagged_cells_raised(nb, path.stem)
     print(f"{path.stem}: {seconds:.1f} s")

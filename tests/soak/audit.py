@@ -14,6 +14,7 @@ PROBE = '''
 def _soak_probe(count_zmq=False):
     import gc, os, warnings, zmq
     import nbdist.notebook.magics as _m
+    gc.collect()  # RSS is read next: count what the kernel holds, not cycles awaiting collection
     cluster, size = _m.current_cluster(), 0
     if cluster is not None and cluster.workdir:
         for root, _, files in os.walk(cluster.workdir):
