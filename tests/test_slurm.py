@@ -9,13 +9,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import nbformat
 import psutil
 import pytest
 
 from nbdist import Cluster
+from nbdist.cells.result import CellResult
 from nbdist.errors import ClusterStartError
 from tests import slurm_cluster
 from tests.test_notebook_lint import save_with_outputs
@@ -111,6 +112,18 @@ def _cluster(slurm: slurm_cluster.SlurmCluster, n: int = 4, config=None, **optio
     return Cluster(n=n, launcher="slurm", launcher_options=opts, config=config)
 
 
+
+def _fault_mid_cell(cluster: Cluster, fault: Callable[[], object], code: str) -> tuple[CellResult, float]:
+    """Run `code` on the ranks and, 2 s in, `fault()` (a scancel, a node going down): the cell's
+    result and the seconds from the fault to the ranks being reported."""
+    at: list[float] = []
+    timer = threading.Timer(2.0, lambda: (at.append(time.perf_counter()), fault()))
+    timer.start()
+    result = cluster.run(code)
+    reported = time.perf_counter() - at[0]
+    timer.join()
+    return result, reported
+
 def test_start_run_scancel_restart_stop(slurm_env, fast_config) -> None:
     """Submit, PENDING -> RUNNING progress, a real all_reduce; scancel mid-cell: ranks dead with
     the Slurm state within 10 s; restart submits a new job; stop leaves no job or process."""
@@ -129,13 +142,8 @@ def test_start_run_scancel_restart_stop(slurm_env, fast_config) -> None:
         print(f"submit -> first collective: {first_collective:.1f} s; progress: {said}")
 
         cluster.run("kept = 41")
-        cancelled_at: list[float] = []
-        timer = threading.Timer(2.0, lambda: (cancelled_at.append(time.perf_counter()),
-                                              subprocess.run(["scancel", job_id])))
-        timer.start()
-        result = cluster.run("import time\nfor _ in range(600): time.sleep(0.1)")
-        reported = time.perf_counter() - cancelled_at[0]
-        timer.join()
+        result, reported = _fault_mid_cell(cluster, lambda: subprocess.run(["scancel", job_id]),
+                                           "import time\nfor _ in range(600): time.sleep(0.1)")
         print(f"scancel -> ranks reported dead: {reported:.1f} s")
         assert reported < 10.0
         assert {e.kind for e in result.errors.values()} == {"dead"}, result.errors
@@ -219,20 +227,14 @@ def test_node_failure_mid_cell_is_reported_as_node_fail(slurm_env, fast_config) 
     (nbdist submits with --no-requeue) but ends NODE_FAIL, and the ranks say so within 10 s."""
     cluster = _cluster(slurm_env, n=2, config=fast_config.replace(engine_start_timeout=120))
     node = subprocess.run(["sinfo", "-h", "-o", "%N"], capture_output=True, text=True).stdout.strip()
-    failed_at: list[float] = []
-
     def fail_node() -> None:
-        failed_at.append(time.perf_counter())
         subprocess.run(["scontrol", "update", f"nodename={node}", "state=down", "reason=nbdist-test"],
                        check=True)
     try:
         cluster.start()
         job_id = cluster.batch_job.job_id
-        timer = threading.Timer(2.0, fail_node)
-        timer.start()
-        result = cluster.run("import time\nfor _ in range(600):\n    dist.barrier()\n    time.sleep(0.1)")
-        reported = time.perf_counter() - failed_at[0]
-        timer.join()
+        result, reported = _fault_mid_cell(
+            cluster, fail_node, "import time\nfor _ in range(600):\n    dist.barrier()\n    time.sleep(0.1)")
         print(f"node DOWN -> ranks reported dead: {reported:.1f} s")
         assert reported < 10.0
         assert {e.kind for e in result.errors.values()} == {"dead"}, result.errors

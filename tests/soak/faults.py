@@ -97,7 +97,11 @@ def stop_during_push(kernel: SoakKernel, d: Draw) -> Fault:
     delay = d.seconds(0.02, 0.15)
     code = "payload = torch.randn(1_000_000)\n%dist_push payload"
     return Fault("stop_push", f"stop button {delay} s into %dist_push of 4 MB",
-                 kernel.run(code, interrupt_after=delay), [r"pushed payload to 4 rank|the push of payload was interrupted"])
+                 kernel.run(code, interrupt_after=delay), [r"pushed payload to 4 rank|the push of payload was interrupted|----> 1 payload = "])
+
+
+# The stop button may also land just before the push or just after the pull, in the cell's own
+# Python line: a plain KeyboardInterrupt there (its frames are the cell's, never nbdist's).
 
 
 def stop_during_pull(kernel: SoakKernel, d: Draw) -> Fault:
@@ -105,7 +109,7 @@ def stop_during_pull(kernel: SoakKernel, d: Draw) -> Fault:
     delay = d.seconds(0.02, 0.15)
     code = "pulled = %dist_pull big\nlen(pulled)"
     return Fault("stop_pull", f"stop button {delay} s into %dist_pull of 4 x 4 MB",
-                 kernel.run(code, interrupt_after=delay), [r"(?m)^4$|the pull of 'big' was interrupted"])
+                 kernel.run(code, interrupt_after=delay), [r"(?m)^4$|the pull of 'big' was interrupted|----> 2 len\(pulled\)"])
 
 
 def stop_during_restart(kernel: SoakKernel, d: Draw) -> Fault:
@@ -132,8 +136,8 @@ def output_flood(kernel: SoakKernel, d: Draw) -> Fault:
 
 
 def rapid_start_stop(kernel: SoakKernel, d: Draw) -> Fault:
-    code = "%dist_stop\n%dist_start -n 4\n%dist_stop\n%dist_start -n 4"
-    return Fault("start_stop", "stop, start, stop, start", kernel.run(code),
+    code = "%dist_stop\n%dist_start -n 4"  # in one cell: the new start meets the old one's leftovers
+    return Fault("start_stop", "%dist_stop then %dist_start at once", kernel.run(code),
                  [r"stopped \d+ process", r"4 rank\(s\) ready"], rank_state_kept=False)
 
 

@@ -98,7 +98,8 @@ def write_results(report: SoakReport, path: Path) -> str:
         f"load average {os.getloadavg()[0]:.1f} at the end. One real kernel (jupyter_client), 4 gloo ranks, "
         "faults drawn from the seed; after each: the report named the rank and what happened, the one "
         "command it named (if any) was run, the next all_reduce worked, the kernel's trained model was "
-        "intact, the process tree held no orphan. See docs/FAULTS.md, 'The soak'.", "",
+        "intact, the process tree held no orphan. See docs/FAULTS.md, 'The soak'. The kernel's RSS is "
+        "read after a gc.collect() there, with glibc's mmap threshold fixed (why: docs/FAULTS.md).", "",
         f"**{said.splitlines()[0]}**", "",
         f"- faults: {len(report.records)} in {report.seconds:.0f} s ({report.seconds / 60:.1f} min, "
         "including the kernel and cluster start)",
