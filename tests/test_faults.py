@@ -338,10 +338,10 @@ def test_row14_thirty_cycles_leak_nothing(tmp_path, fast_config, assert_all_gone
     fds_before = me.num_fds()
     shm_before = set(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else set()
     cluster = Cluster(n=2, config=fast_config).start()
-    workdirs = {cluster._workdir}  # its own only: other clusters may run beside the test
+    workdirs = {cluster.workdir}  # its own only: other clusters may run beside the test
     try:
         for cycle in range(30):
-            workdirs.add(cluster._workdir)
+            workdirs.add(cluster.workdir)
             cluster.run("t = torch.ones(1); dist.all_reduce(t)").raise_for_errors()
             cluster.signal_rank(1, signal.SIGKILL)
             result = cluster.run("dist.barrier()", timeout=20)

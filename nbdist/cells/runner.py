@@ -37,7 +37,7 @@ def run_cell(
     """Run `code` on `ranks` (all by default) and return the per-rank outcome. Never blocks past
     `timeout` (plus the interrupt ladder's bounded steps); KeyboardInterrupt runs the ladder.
     A cell that does not parse raises its SyntaxError here, before any rank sees it."""
-    targets = cluster._targets(ranks)
+    targets = cluster.targets(ranks)
     check_syntax(code)
     if timeout is None:
         timeout = cluster.config.cell_timeout

@@ -6,6 +6,7 @@ nbdist never starts or kills a process of such a cluster.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -46,9 +47,34 @@ def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
                    say: Callable[[str], None]) -> tuple[Any, list[int]]:
     """A client of the cluster `target` names, and the ids of the engines to use (n, or all)."""
     client = connect(target)
-    ids = wait_for_registered(client, n, config)
+    started = engines_started(target) if n is None else None
+    if started is None:
+        ids = wait_for_registered(client, n, config)
+    else:  # all that were started, or as many as registered in time
+        try:
+            ids = wait_for_registered(client, started, config)
+        except ClusterStartError:
+            ids = wait_for_registered(client, None, config)
+            say(f"only {len(ids)} of the {started} engine(s) the cluster file lists registered "
+                f"within {config.engine_start_timeout:.0f} s; using those")
     say(f"attached to {len(ids)} engine(s) of an existing cluster ({target})")
     return client, ids
+
+
+def engines_started(target: dict[str, Any]) -> int | None:
+    """How many engines the cluster's file says were started (`ipcluster start` writes one), so
+    attaching right after a start waits for all of them; None without a readable file."""
+    if "url_file" in target:
+        return None
+    import ipyparallel as ipp
+
+    try:
+        path = ipp.Cluster(shutdown_atexit=False, **target).cluster_file
+        with open(path) as file:
+            sets = json.load(file)["engines"]["sets"].values()
+        return sum(int(engine_set["n"]) for engine_set in sets) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def connect(target: dict[str, Any]) -> Any:

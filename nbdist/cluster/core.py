@@ -111,8 +111,6 @@ class ClusterCore:
     def workdir(self) -> str:
         return self._processes.workdir
 
-    _workdir = workdir
-
     @property
     def master_addr(self) -> str:
         return self._rendezvous.master_addr
@@ -158,8 +156,6 @@ class ClusterCore:
         """The ranks a call goes to (all by default), checked to exist and be alive."""
         self._require_running()
         return check_targets(self.ranks, ranks)
-
-    _targets = targets
 
     # ------------------------------------------------------------------ start
     def start(self, progress: Progress | None = None) -> ClusterCore:
@@ -322,6 +318,7 @@ class ClusterCore:
         old_ids = set(self._client.ids)
         if not self._engines.stop_engines(self._helper_pids()):
             self._ask_remote_engines_to_exit()
+        old_ids.update(self._client.ids)  # any that registered while being stopped
         say(f"starting {n} new engine(s)")
         self._engines.start_engines(n)
         self._write_pidfile()
@@ -331,7 +328,10 @@ class ClusterCore:
     def _abandon_restart(self) -> Interrupted:
         """The stop button during a restart: stop the engines started so far (half set up, they
         would hold ports and wait for peers) and leave every rank dead, for the next restart."""
-        watchdog.terminate_all(self._engines.local_pids(), grace=self.config.stop_timeout)
+        # through ipyparallel too: its loop thread may still be launching the engine set (or a
+        # Slurm job) that the interrupted call asked for
+        if not self._engines.stop_engines(self._helper_pids()):
+            self._ask_remote_engines_to_exit()
         for proc in self.ranks:
             if proc.state == "alive":
                 self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")

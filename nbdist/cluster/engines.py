@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from subprocess import CalledProcessError
 from typing import Any
 
-from nbdist.cluster import slurm, watchdog
+from nbdist.cluster import registered, slurm, watchdog
 from nbdist.cluster.launchers import (
     ENGINE_LOG_NOISE,
     ENGINE_SET_CLASS,
@@ -146,7 +146,12 @@ class Engines:
         while True:
             new_ids = sorted(set(client.ids) - known_ids)
             if len(new_ids) >= n:
-                return new_ids[:n]
+                foreign = self._strangers(client, new_ids[:n])
+                if not foreign:
+                    return new_ids[:n]
+                known_ids.update(foreign)  # dead, or left by an interrupted start: not a rank
+                ask_remote_engines_to_exit(client, foreign)
+                continue
             if self.job is not None and self.job.while_starting(self.progress):
                 # the start-up deadline runs from when the job runs; the queue has its own
                 deadline = time.monotonic() + self.config.engine_start_timeout
@@ -168,6 +173,12 @@ class Engines:
                     f"(NbdistConfig.engine_start_timeout).\n" + _log_tails(self.launchers())
                 )
             time.sleep(self.config.startup_poll_interval)
+
+    def _strangers(self, client: Any, engine_ids: list[int]) -> list[int]:
+        launchers = self.launchers()
+        if not launchers or not all(has_local_pid(la) for la in launchers):
+            return []  # remote PIDs say nothing here
+        return registered.strangers(client, engine_ids, {pid for pid, _ct in self.local_pids()})
 
     def controller_output(self, lines: int = 30) -> str:
         return tail(self.ipp.controller.get_output(), lines)
