@@ -169,3 +169,19 @@ def test_nvme_and_missing_deepspeed_errors(ranks2: Cluster, tmp_path: Path):
     assert "pip install nbdist[deepspeed]" in ranks2.pull("missing")[0]
     if not ranks2.pull("aio")[0]:  # no libaio here: the promised error, naming the fix
         assert "libaio-dev" in ranks2.pull("nvme")[0]
+
+
+def test_nvme_param_swap_buffers_are_sized_to_the_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    # DeepSpeed's default (5 locked buffers of 1e8 elements, ~2 GB in fp32) would dwarf a small
+    # model; one buffer must hold the largest parameter's partition. The host's libaio is not the
+    # question here (the notebook 13 run and test_nvme_and_missing_deepspeed_errors cover it).
+    from nbdist.strategies import deepspeed as ds_strategy
+
+    monkeypatch.setattr(ds_strategy, "_nvme_path", lambda path, option: str(path))
+    opts = ds_strategy.DeepSpeedOptions(zero_stage=3, offload_param="nvme", offload_optimizer="nvme",
+                                        nvme_path=str(tmp_path))
+    zero = ds_strategy.build_config(opts, param_count=10_000, largest_param=4_096)["zero_optimization"]
+    assert zero["offload_param"]["buffer_size"] == 4_096
+    assert "buffer_size" not in zero["offload_optimizer"]  # DeepSpeed sizes those from the model itself
+    huge = ds_strategy.build_config(opts, param_count=10**10, largest_param=10**9)["zero_optimization"]
+    assert huge["offload_param"]["buffer_size"] == 10**8  # never above DeepSpeed's own default

@@ -1,8 +1,10 @@
 """Every tutorial executes headless (nbclient, the venv's python3 kernel) on CPU.
 
 A notebook fails the test if any cell errors, except cells tagged ``raises-exception`` — and those
-must raise, or the tag (and the lesson) has gone stale. 00_quickstart runs in the default suite;
-the whole set runs with ``-m notebooks`` (a few minutes on 2 cores). 12_multi_node_slurm runs
+must raise, or the tag (and the lesson) has gone stale — or if its outputs no longer match the ones
+saved in the repository (tests/notebook_outputs.py: structure, and figures within a tolerance).
+00_quickstart runs in the default suite; the whole set runs with ``-m notebooks`` (a few minutes on
+2 cores). 12_multi_node_slurm runs
 through Slurm where ``sinfo`` answers and on local engines elsewhere; ``-m slurm`` runs it against
 the test scheduler (tests/test_slurm.py):
 
@@ -63,7 +65,7 @@ def test_every_tutorial_is_here() -> None:
         "00_quickstart", "01_collectives", "02_ddp", "03_ddp_model_parallel", "04_fsdp",
         "05_deepspeed", "06_memory_anatomy", "07_tensor_parallel", "08_pipeline_parallel",
         "09_rpc_parameter_server", "10_when_things_go_wrong", "11_notebook_to_script",
-        "12_multi_node_slurm",
+        "12_multi_node_slurm", "13_memory_savers",
     }
     assert expected <= names, f"missing: {sorted(expected - names)}"
 
@@ -79,3 +81,9 @@ def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     nb, seconds = run_notebook(path, tmp_path)
     check_tagged_cells_raised(nb, path.stem)
     print(f"{path.stem}: {seconds:.1f} s")
+    from tests.notebook_outputs import SAVE_COMMAND, SAVED_ELSEWHERE, compare
+
+    if path.stem not in SAVED_ELSEWHERE:  # its saved run went through Slurm, this one may not
+        moved = compare(nbformat.read(path, as_version=4), nb, path.stem)
+        assert not moved, ("the saved outputs went stale (re-save with "
+                           f"{SAVE_COMMAND} {path.stem} if the change is meant):\n" + "\n".join(moved))

@@ -95,7 +95,8 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any
             "config['zero_optimization']['stage'])"
         )
     param_count = sum(p.numel() for p in model.parameters())
-    config = _user_config(opts.config) if opts.config is not None else build_config(opts, param_count)
+    largest = max((p.numel() for p in model.parameters()), default=1)
+    config = _user_config(opts.config) if opts.config is not None else build_config(opts, param_count, largest)
     ds = import_deepspeed()
     logging.getLogger("DeepSpeed").setLevel(opts.log_level)
     # DeepSpeed 0.19 still calls collectives torch 2.13 deprecated; one warning per call and rank
@@ -126,8 +127,13 @@ def import_deepspeed() -> Any:
     return deepspeed
 
 
-def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000) -> dict[str, Any]:
-    """The DeepSpeed config for the shorthand options, after checking they fit together."""
+def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000,
+                 largest_param: int | None = None) -> dict[str, Any]:
+    """The DeepSpeed config for the shorthand options, after checking they fit together.
+
+    ``largest_param`` (elements of the model's largest parameter) sizes the NVMe parameter swap
+    buffers; None keeps DeepSpeed's default.
+    """
     _check_stage(opts.zero_stage)
     # ZeRO allocates its reduce bucket whole (5e8 elements by default: 2 GB in fp32); a bucket
     # larger than the model only wastes memory.
@@ -148,6 +154,11 @@ def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000) -> dict
         zero[name] = {"device": target, "pin_memory": rank_device().type == "cuda"}
         if target == "nvme":
             zero[name]["nvme_path"] = _nvme_path(opts.nvme_path, name)
+            if name == "offload_param" and largest_param is not None:
+                # ZeRO-3 allocates buffer_count (5) swap buffers of buffer_size elements, locked in
+                # host memory, whatever the model (1e8 by default: ~2 GB in fp32). One buffer holds
+                # one parameter's partition, so the largest parameter is enough.
+                zero[name]["buffer_size"] = int(min(1e8, max(largest_param, 1)))
     if opts.nvme_path is not None and "nvme" not in (opts.offload_optimizer, opts.offload_param):
         raise StrategyOptionError("nvme_path is only used with offload_optimizer='nvme' or offload_param='nvme'")
     config: dict[str, Any] = {
