@@ -629,12 +629,27 @@ def test_run_on_real_ranks_runs_or_refuses_and_the_cluster_carries_on(cluster2, 
 # --- the few lines that reach start-up: real processes, none left behind ---------------------
 
 
+@pytest.fixture
+def subreaper() -> Iterator[None]:
+    """This process adopts its descendants' orphans (Linux PR_SET_CHILD_SUBREAPER), so a process
+    left behind by a killed parent is still among `_children()` instead of under init, unseen."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(36, 1, 0, 0, 0) != 0:  # PR_SET_CHILD_SUBREAPER
+        pytest.skip("PR_SET_CHILD_SUBREAPER is not available here")
+    try:
+        yield
+    finally:
+        libc.prctl(36, 0, 0, 0, 0)
+
+
 @pytest.mark.parametrize("line", [
     "-n 1 --backend nccl",  # no GPU here: refused after the engines started (bootstrap)
     "-n 1 -o engine_python=/nonexistent/python3",  # the engines cannot start at all
     "-n 1 --launcher mpi -o mpi_cmd=/nonexistent/mpiexec",  # the launcher's command is missing
 ])
-def test_start_that_fails_leaves_nothing_running(ip, line, assert_all_gone):
+def test_start_that_fails_leaves_nothing_running(ip, line, assert_all_gone, subreaper):
     before = _children()
     with pytest.raises(UsageError, match=r"(?s)%dist_start failed: .+Nothing is left running"):
         ip.run_line_magic("dist_start", line)

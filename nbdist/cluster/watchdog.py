@@ -69,19 +69,40 @@ def same_process(pid: int, create_time: float) -> psutil.Process | None:
 
 
 def terminate_all(pids: list[tuple[int, float]], grace: float) -> list[int]:
-    """SIGTERM each still-living recorded process, SIGKILL what is left after `grace` seconds."""
+    """Stop each still-living recorded process and every child it has: SIGTERM, then SIGKILL
+    what is left after `grace` seconds.
+
+    Each one is frozen first (SIGSTOP), so that none starts a child after its children were
+    listed: ipyparallel's controller forks its schedulers and heart monitor while it starts and
+    installs its SIGTERM handler only after them, so one stopped then kept forking for a moment
+    and left the late children running as orphans (2 of 4 runs of a failed start, measured)."""
     alive = [p for p in (same_process(pid, ct) for pid, ct in pids) if p is not None]
+    _signal_each(alive, signal.SIGSTOP)
+    seen = {p.pid for p in alive}
+    for proc in list(alive):
+        try:
+            children = proc.children(recursive=True)
+        except psutil.Error:
+            continue
+        alive += [child for child in children if child.pid not in seen]
+        seen.update(child.pid for child in children)
     stop_processes(alive, grace)
     return [p.pid for p in alive]
 
 
-def stop_processes(procs: list[psutil.Process], grace: float) -> None:
-    """SIGTERM these processes, then SIGKILL whichever is still running after `grace` seconds."""
+def _signal_each(procs: list[psutil.Process], sig: int) -> None:
     for proc in procs:
         try:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
+
+
+def stop_processes(procs: list[psutil.Process], grace: float) -> None:
+    """SIGTERM these processes (and SIGCONT, for any frozen one to act on it), then SIGKILL
+    whichever is still running after `grace` seconds."""
+    _signal_each(procs, signal.SIGTERM)
+    _signal_each(procs, signal.SIGCONT)
     _gone, still = psutil.wait_procs(procs, timeout=grace)
     for proc in still:
         try:

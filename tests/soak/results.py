@@ -104,6 +104,9 @@ def write_results(report: SoakReport, path: Path) -> str:
         f"- faults: {len(report.records)} in {report.seconds:.0f} s ({report.seconds / 60:.1f} min, "
         "including the kernel and cluster start)",
         f"- broken recoveries: {len(report.broken)}",
+        f"- stop button in ipykernel's own window (the kernel finished the request without an "
+        f"execute_reply, see tests/soak/kernel.py LOST_REPLY; checked like every fault after it): "
+        f"{sum(r.lost_reply for r in report.records)}",
         f"- worst recovery (report to working collective): {max(recoveries):.1f} s", "",
         *_table(report), "", "## Leaks", "", *_leak_rows(report), "",
     ]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tests.soak.audit import PROBE, ProcessTree, Sample, sample
 from tests.soak.faults import FAULTS, RANKS, Draw, Fault
-from tests.soak.kernel import SoakKernel
+from tests.soak.kernel import LOST_REPLY, SoakKernel
 
 KERNEL_SETUP = f"""\
 %load_ext nbdist
@@ -59,6 +59,7 @@ class Record:
     restarted: bool
     problems: list[str] = field(default_factory=list)
     rss_delta: int = 0  # the kernel's RSS after this fault's recovery minus before it
+    lost_reply: bool = False  # the stop button in ipykernel's own window (kernel.LOST_REPLY)
 
 
 @dataclass
@@ -127,7 +128,8 @@ class Soak:
         draw = Draw(self.rng, self.rng.randrange(RANKS), f"soak{self.seed}x{index}")
         fault = FAULTS[name](self.kernel, draw)
         started = time.perf_counter()
-        problems = _specific(fault)
+        lost_reply = fault.outcome.status == LOST_REPLY
+        problems = [] if lost_reply else _specific(fault)  # no reply: nothing was reported
         restarted = "%dist_restart" in fault.outcome.text
         if restarted:
             outcome = self.kernel.run("%dist_restart")
@@ -137,7 +139,7 @@ class Soak:
             _must(self.kernel.run(RANK_SETUP), "the ranks' setup cell after a new start")
         problems += self._check(draw.tag, fault.rank_state_kept and not restarted, restarted)
         record = Record(index, name, fault.detail, fault.outcome.seconds, time.perf_counter() - started,
-                        restarted, problems)
+                        restarted, problems, lost_reply=lost_reply)
         before = self.report.samples[-1].rss
         self.report.samples.append(self._probe(count_zmq=index % 10 == 9))
         record.rss_delta = self.report.samples[-1].rss - before
