@@ -47,10 +47,12 @@ def code_digest(nb: nbformat.NotebookNode) -> str:
 
 
 def save_with_outputs(nb: nbformat.NotebookNode, path: Path, produced_by: str) -> None:
-    """Write an executed notebook with its outputs kept (and nbclient's timestamps dropped)."""
+    """Write an executed notebook with its outputs kept (and nbclient's timestamps dropped); the
+    notebook's own settings in its KEPT_OUTPUTS metadata (a figure tolerance) stay."""
     for cell in nb.cells:
         cell.metadata.pop("execution", None)
-    nb.metadata[KEPT_OUTPUTS] = {"from": produced_by, "sources": code_digest(nb)}
+    nb.metadata[KEPT_OUTPUTS] = {**nb.metadata.get(KEPT_OUTPUTS, {}), "from": produced_by,
+                                 "sources": code_digest(nb)}
     nbformat.write(nb, path)
 
 

@@ -316,8 +316,7 @@ class ClusterCore:
 
     def _replace_engines(self, n: int, say: Progress) -> None:
         old_ids = set(self._client.ids)
-        if not self._engines.stop_engines(self._helper_pids()):
-            self._ask_remote_engines_to_exit()
+        self._stop_engines()
         old_ids.update(self._client.ids)  # any that registered while being stopped
         say(f"starting {n} new engine(s)")
         self._engines.start_engines(n)
@@ -328,10 +327,7 @@ class ClusterCore:
     def _abandon_restart(self) -> Interrupted:
         """The stop button during a restart: stop the engines started so far (half set up, they
         would hold ports and wait for peers) and leave every rank dead, for the next restart."""
-        # through ipyparallel too: its loop thread may still be launching the engine set (or a
-        # Slurm job) that the interrupted call asked for
-        if not self._engines.stop_engines(self._helper_pids()):
-            self._ask_remote_engines_to_exit()
+        self._stop_engines()  # ipyparallel's loop thread may still be launching the new ones
         for proc in self.ranks:
             if proc.state == "alive":
                 self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")
@@ -361,6 +357,11 @@ class ClusterCore:
         self._processes.remove_workdir()
         for proc in self.ranks:
             self.mark_dead(proc.spec.rank, "stopped", notify=False)
+
+    def _stop_engines(self) -> None:
+        """Every engine: local ones by PID, the others through ipyparallel, else asked to exit."""
+        if not self._engines.stop_engines(self._helper_pids()):
+            self._ask_remote_engines_to_exit()
 
     def _ask_remote_engines_to_exit(self) -> None:
         remote = [p.spec.engine_id for p in self.ranks if not p.local and p.state == "alive"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import Any
 
 from nbdist.cluster.remote import gather
 
@@ -18,9 +19,8 @@ _ANSWER_SECONDS = 10.0
 one never does (ipyparallel reports it dead once its heartbeats stop, in about this time)."""
 
 
-def strangers(client: object, engine_ids: Iterable[int], our_pids: set[int]) -> list[int]:
+def strangers(client: Any, engine_ids: Iterable[int], our_pids: set[int]) -> list[int]:
     """The engines among `engine_ids` that are not one of `our_pids`, or do not answer."""
     ids = list(engine_ids)
-    answers = gather({eid: client[eid].apply_async(os.getpid) for eid in ids},  # type: ignore[index]
-                     _ANSWER_SECONDS)
+    answers = gather({eid: client[eid].apply_async(os.getpid) for eid in ids}, _ANSWER_SECONDS)
     return [eid for eid in ids if answers.results.get(eid) not in our_pids]

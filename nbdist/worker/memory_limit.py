@@ -13,12 +13,12 @@ CUDA context is not counted, like the CPU baseline).
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import resource
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
+
+from nbdist.worker.memory_sampler import libc, read_status
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
@@ -29,13 +29,9 @@ STATE: dict[str, Any] = {}
 def data_bytes() -> int:
     """VmData (private writable mappings: what RLIMIT_DATA counts) in bytes; 0 off Linux."""
     try:
-        with open("/proc/self/status") as status:
-            for line in status:
-                if line.startswith("VmData:"):
-                    return int(line.split()[1]) * 1024
+        return read_status("VmData").get("VmData", 0)
     except OSError:
-        pass
-    return 0
+        return 0
 
 
 def apply_memory_limit(limit: int | None, device: Any) -> dict[str, Any]:
@@ -64,8 +60,7 @@ def _return_freed_memory() -> bool:
     tensors then stay in the heap, still counted against the budget (measured: a model's 80 MiB
     of full parameters, sharded by FSDP, still counted after the shards replaced them)."""
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return bool(libc.mallopt(_M_MMAP_THRESHOLD, 128 * 1024))
+        return bool(libc().mallopt(_M_MMAP_THRESHOLD, 128 * 1024))
     except (OSError, AttributeError):  # not glibc
         return False
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import os
 import threading
 from typing import Any
@@ -25,11 +26,16 @@ class _Mallinfo2(ctypes.Structure):
     ]  # fmt: skip
 
 
+@functools.cache
+def libc() -> Any:
+    """The C library, loaded once (find_library runs ldconfig); OSError where there is none."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
 def _load_mallinfo2() -> Any:
     # glibc >= 2.33 only; musl and macOS lack it and fall back to RSS
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        fn = libc.mallinfo2
+        fn = libc().mallinfo2
     except (OSError, AttributeError):
         return None
     fn.restype = _Mallinfo2
@@ -37,12 +43,14 @@ def _load_mallinfo2() -> Any:
     return fn
 
 
-def _read_status() -> dict[str, int]:
-    # one read of /proc/self/status gives RSS and its high-water mark (kB)
+def read_status(*names: str) -> dict[str, int]:
+    """These fields of /proc/self/status (VmRSS, VmHWM, VmData...) in bytes, from one read of
+    the file (its values are kB); OSError off Linux."""
+    prefixes = tuple(f"{name}:".encode() for name in names)
     fields: dict[str, int] = {}
     with open("/proc/self/status", "rb") as status:
         for line in status:
-            if line.startswith((b"VmRSS:", b"VmHWM:")):
+            if line.startswith(prefixes):
                 key, value = line.split(b":", 1)
                 fields[key.decode()] = int(value.split()[0]) * 1024
     return fields
@@ -116,7 +124,7 @@ class MemorySampler:
                 self._can_clear_refs = False
 
     def _sample_cpu(self) -> dict[str, Any]:
-        status = _read_status()
+        status = read_status("VmRSS", "VmHWM")
         rss = status.get("VmRSS", 0)
         if self._mallinfo2 is not None:
             info = self._mallinfo2()
