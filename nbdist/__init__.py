@@ -21,6 +21,7 @@ _LAZY: dict[str, str] = {
     "NbdistConfig": "nbdist.config",
     "log": "nbdist.worker.metrics",
     "memory_budget": "nbdist.worker.memory_limit",
+    "profile": "nbdist.worker.profiling",
     "prepare": "nbdist.strategies",
     "save_checkpoint": "nbdist.strategies.checkpoint",
     "load_checkpoint": "nbdist.strategies.checkpoint",

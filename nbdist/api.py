@@ -6,15 +6,22 @@ sits above it: running cells (`nbdist.cells`), the status snapshot and the live 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells import debug as debugging
 from nbdist.cells.diff import FETCH_LIMIT, DiffReport, diff_ranks
+from nbdist.cells.profiling import collect_last_profile, run_profiled
 from nbdist.cells.result import CellResult
 from nbdist.cells.runner import OutputSink, run_cell
 from nbdist.cluster import attach as attaching
-from nbdist.cluster.arguments import check_code, check_rank_selection, check_seconds
+from nbdist.cluster.arguments import (
+    check_code,
+    check_directory,
+    check_rank_selection,
+    check_seconds,
+)
 from nbdist.cluster.core import ClusterCore, Progress
 from nbdist.cluster.memory_limit import with_memory_limit
 from nbdist.cluster.status import ClusterStatus
@@ -24,6 +31,8 @@ from nbdist.export.run import script_cell
 if TYPE_CHECKING:
     from nbdist.cluster.slurm import SlurmJob
     from nbdist.dashboard import Dashboard
+    from nbdist.dashboard.tensorboard import TensorBoardWriter
+    from nbdist.profiler import ProfileReport
 
 
 class Cluster(ClusterCore):
@@ -34,17 +43,29 @@ class Cluster(ClusterCore):
     >>> cluster.stop()                           # doctest: +SKIP
     """
 
-    def __init__(self, *args: Any, memory_limit: int | str | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, memory_limit: int | str | None = None,
+                 tensorboard: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         """`memory_limit`: what each rank may allocate after start-up (bytes, "512MiB", "1GiB",
         "2GB"); past it the rank's allocation fails and the report names the rank and the limit
-        (nbdist.worker.memory_limit). The rest: see `ClusterCore`."""
+        (nbdist.worker.memory_limit). `tensorboard`: a log directory; every rank's `nbdist.log`
+        values are also written there as TensorBoard scalars (`loss/rank0`, ...) in one new run
+        directory, `self.tensorboard.run_dir`. The rest: see `ClusterCore`."""
         if memory_limit is not None:  # checked here, before anything starts
             kwargs["config"] = with_memory_limit(kwargs.get("config"), memory_limit)
+        self.tensorboard: TensorBoardWriter | None = None
+        if tensorboard is not None:  # checked (and the package looked for) before anything starts
+            from nbdist.dashboard.tensorboard import TensorBoardWriter
+
+            self.tensorboard = TensorBoardWriter(check_directory(tensorboard, "--tensorboard"))
         super().__init__(*args, **kwargs)
+        if self.tensorboard is not None:
+            self.telemetry.subscribe(self.tensorboard)
         self._dashboard: Dashboard | None = None
         self._setup_cells: list[str] = []
         self.last_result: CellResult | None = None
         """The last cell's outcome (what `debug` looks at)."""
+        self.last_profile: ProfileReport | None = None
+        """The last profiled cell's merged profile (`run(..., profile=...)`)."""
 
     @classmethod
     def attach(cls, profile: str | None = None, cluster_id: str = "", *, profile_dir: str | None = None,
@@ -59,12 +80,26 @@ class Cluster(ClusterCore):
         return cluster
 
     def run(self, code: str, ranks: Iterable[int] | None = None, timeout: float | None = None,
-            sink: OutputSink | None = None) -> CellResult:
-        """Run code on the chosen ranks (all by default); returns a `CellResult`."""
+            sink: OutputSink | None = None, profile: bool | str | None = None) -> CellResult:
+        """Run code on the chosen ranks (all by default); returns a `CellResult`. `profile`:
+        True or a trace path: torch.profiler on every rank, merged into `last_profile` (and
+        written to that path as a Chrome/Perfetto trace)."""
         code, ranks, timeout = check_code(code), check_rank_selection(ranks), check_seconds(timeout)
         self._require_running()
-        self.last_result = run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
+        if profile is None or profile is False:
+            self.last_result = run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
+        else:
+            self.last_result, self.last_profile = run_profiled(self, code, ranks, timeout, sink,
+                                                               profile)
         return self.last_result
+
+    def collect_profile(self, ranks: Iterable[int] | None = None,
+                        path: str | None = None) -> ProfileReport:
+        """Merge what `with nbdist.profile():` last captured on each rank (and write it to
+        `path` as one Chrome/Perfetto trace)."""
+        self._require_running()
+        self.last_profile = collect_last_profile(self, check_rank_selection(ranks), path)
+        return self.last_profile
 
     def diff(self, expr: str, ranks: Iterable[int] | None = None, full: bool = False,
              fetch_limit: int = FETCH_LIMIT) -> DiffReport:
@@ -123,6 +158,13 @@ class Cluster(ClusterCore):
             self.poll_dead()
         job = self.batch_job
         return ClusterStatus.of(self, batch_job=job.summary() if job is not None else "")
+
+    def stop(self) -> list[int]:
+        try:
+            return super().stop()
+        finally:
+            if self.tensorboard is not None:
+                self.tensorboard.close()  # a later start writes a new file in the same run
 
     def dashboard(self) -> Dashboard:
         """The live dashboard of this cluster (created once, kept across cells)."""

@@ -1,6 +1,7 @@
-"""JupyterLab in headless Debian Chromium: the dashboard appears under a %%distributed cell and
-grows while 2 ranks train for ~10 s, and a notebook executed headless shows its final charts when
-opened without a kernel. Setup: ``bash tests/browser_setup.sh``; run with ``-m browser``.
+"""JupyterLab 4 and Notebook 7 in headless Debian Chromium: the dashboard appears under a
+%%distributed cell and grows while 2 ranks train for ~10 s, names the rank slowed on purpose as
+the straggler, and a notebook executed headless shows its final charts when opened without a
+kernel. Setup: ``bash tests/browser_setup.sh``; run with ``-m browser``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import nbformat
 import pytest
@@ -35,27 +37,40 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _browser_tools() -> None:
+FRONTENDS = ("lab", "notebook")
+"""`jupyter lab` (JupyterLab 4) and `jupyter notebook` (Notebook 7, built on JupyterLab's parts)."""
+
+_FRONTEND_OPTIONS = {
+    "lab": ("--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"),
+    "notebook": ("--JupyterNotebookApp.expose_app_in_browser=True",),
+}
+
+
+def _browser_tools(frontend: str = "lab") -> None:
     if not os.path.exists(CHROMIUM):
         pytest.skip("Debian chromium missing: run bash tests/browser_setup.sh")
     pytest.importorskip("playwright")
     pytest.importorskip("jupyterlab")
+    if frontend == "notebook":
+        notebook = pytest.importorskip("notebook", reason="install the browser extra (notebook>=7)")
+        if int(notebook.__version__.split(".")[0]) < 7:
+            pytest.skip(f"Notebook {notebook.__version__}: the test needs Notebook 7")
 
 
 @contextmanager
-def _lab_server(root: Path, *options: str) -> Iterator[str]:
-    """JupyterLab on 127.0.0.1 serving ``root``; yields ``base_url`` and the token as ``url?token``."""
+def _lab_server(root: Path, *options: str, frontend: str = "lab") -> Iterator[str]:
+    """JupyterLab (or Notebook 7) on 127.0.0.1 serving ``root``; yields ``url?token``."""
     port, token = _free_port(), secrets.token_hex(16)
     env = dict(os.environ)
     for name in ("JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR"):
         env[name] = str(root / name.lower())  # never touch the user's Jupyter state
     log = open(root / "jupyterlab.log", "wb")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
+        [sys.executable, "-m", "jupyter", frontend, "--no-browser", "--allow-root",
          "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
          f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", *options],
+         *_FRONTEND_OPTIONS[frontend], *options],
         stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
     )
     url = f"http://127.0.0.1:{port}"
@@ -67,7 +82,7 @@ def _lab_server(root: Path, *options: str) -> Iterator[str]:
                 break
             except OSError:
                 if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError("JupyterLab did not answer /api/status within 60 s:\n"
+                    raise RuntimeError(f"jupyter {frontend} did not answer /api/status in 60 s:\n"
                                        + (root / "jupyterlab.log").read_text()[-3000:]) from None
                 time.sleep(0.25)
         yield f"{url}?token={token}"
@@ -81,16 +96,67 @@ def _lab_server(root: Path, *options: str) -> Iterator[str]:
         log.close()
 
 
-def _notebook_url(server: str, name: str) -> str:
+def _notebook_url(server: str, name: str, frontend: str = "lab") -> str:
     base, token = server.split("?")
+    if frontend == "notebook":
+        return f"{base}/notebooks/{name}?{token}"
     return f"{base}/lab/tree/{name}?reset&{token}"  # reset: no workspace reopens other notebooks
 
 
+@pytest.fixture(params=FRONTENDS)
+def frontend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest.fixture
-def jupyterlab(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    _browser_tools()
-    with _lab_server(tmp_path) as server:
-        yield _notebook_url(server, "dashboard.ipynb"), tmp_path
+def jupyterlab(tmp_path: Path, frontend: str) -> Iterator[tuple[str, Path]]:
+    _browser_tools(frontend)
+    with _lab_server(tmp_path, frontend=frontend) as server:
+        yield _notebook_url(server, "dashboard.ipynb", frontend), tmp_path
+
+
+# DDP on 2 ranks, rank 1 sleeping 0.1 s more per step: the dashboard must name it the straggler
+_STRAGGLER_CELL = """%%distributed
+import time, torch, nbdist
+layer = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+opt = torch.optim.SGD(layer.parameters(), lr=0.05)
+data = torch.randn(32, 64)
+end = time.time() + {seconds}
+step = 0
+while time.time() < end:
+    time.sleep(0.02 + (0.1 if rank == 1 else 0.0))
+    loss = layer(data).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    nbdist.log(step=step, loss=loss, wall=time.time())
+    step += 1
+"""
+
+
+# tqdm.auto in the ranks: one bar per rank, updated in place, ending at 100 %
+_TQDM_CELL = """%%distributed
+from tqdm.auto import tqdm
+for _ in tqdm(range(25), desc=f"rank{rank} bar", mininterval=0.05):
+    time.sleep(0.03)
+"""
+
+
+def _straggler_notebook(dashboard_notebook: Any, seconds: float) -> nbformat.NotebookNode:
+    nb = dashboard_notebook(seconds=seconds)
+    nb.cells[1] = nbformat.v4.new_code_cell(_STRAGGLER_CELL.format(seconds=seconds))
+    nb.cells.insert(2, nbformat.v4.new_code_cell(_TQDM_CELL))
+    return nb
+
+
+def _cell_outputs(page: Any, index: int) -> list[str]:
+    """The cell's outputs as drawn (scrolled into view: both frontends window long notebooks)."""
+    page.evaluate("(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node"
+                  ".scrollIntoView()", index)
+    page.wait_for_function(
+        "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node"
+        ".querySelector('.jp-OutputArea-output')", arg=index, timeout=10_000)
+    return page.evaluate(
+        "(i) => [...window.jupyterapp.shell.currentWidget.content.widgets[i].node"
+        ".querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText)", index)
 
 
 @pytest.fixture
@@ -104,12 +170,13 @@ def artifacts(tmp_path: Path) -> Path:
 
 
 @pytest.mark.timeout(300)
-def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], dashboard_notebook,
+def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], frontend: str,
+                                              dashboard_notebook,
                                               artifacts: Path) -> None:
     from playwright.sync_api import sync_playwright
 
     url, root = jupyterlab
-    nbformat.write(dashboard_notebook(seconds=10.0), root / "dashboard.ipynb")
+    nbformat.write(_straggler_notebook(dashboard_notebook, seconds=10.0), root / "dashboard.ipynb")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -139,6 +206,17 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], dash
             }""")
             page.wait_for_function(
                 "() => +document.querySelector('.nbdist-dash').dataset.metricPoints >= 20", timeout=30_000)
+            # the straggler view: rank 1's row highlighted, the line above the charts names it
+            page.wait_for_function(
+                "() => document.querySelector('.nbdist-dash').dataset.straggler === '1'", timeout=30_000)
+            straggler = page.evaluate("""() => {
+                const root = document.querySelector('.nbdist-dash');
+                return {line: root.querySelector('.nbd-stragglers').textContent,
+                        rows: [...root.querySelectorAll('tr.nbd-straggler')].map(r => r.dataset.rank),
+                        late: [...root.querySelectorAll('td.nbd-lateby')].map(td => td.textContent)};
+            }""")
+            assert straggler["rows"] == ["1"], straggler
+            assert straggler["line"].startswith("straggler: rank 1 arrived last"), straggler
             shots = []
             for index in (1, 2):
                 if index == 2:
@@ -152,7 +230,7 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], dash
                             rows: root.querySelectorAll('tr.nbd-rank').length,
                             memoryPoints: +root.querySelector('.nbd-memory-canvas').dataset.points};
                 }""")
-                path = artifacts / f"dashboard_live_{index}.png"
+                path = artifacts / f"dashboard_live_{frontend}_{index}.png"
                 page.locator(".nbdist-dash").first.screenshot(path=str(path))
                 shots.append(state)
             first, second = shots
@@ -168,11 +246,21 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], dash
             page.wait_for_function(
                 "() => !document.querySelector('.nbdist-dash') && document.querySelector('img.nbdist-static-img')",
                 timeout=30_000)
+            # (the page holds 'NBDIST-STOPPED' in its source from the start: wait for the cell)
+            page.wait_for_function(
+                "() => window.jupyterapp.shell.currentWidget.content.widgets[2].model"
+                ".executionCount != null", timeout=60_000)
+            bars = _cell_outputs(page, 2)
+            assert len(bars) == 2, bars  # one output per rank, no line per redraw
+            for rank in (0, 1):
+                (bar,) = [text for text in bars if f"rank{rank} bar" in text]
+                assert "[rank " in bar and "100%" in bar and "25/25" in bar, bars
             final = _static_chart(page)
             assert final["svg"] and "idle" in final["alt"] and "running" not in final["alt"], final
+            assert final["straggler"], final  # the saved output names the straggler too
             page.locator("img.nbdist-static-img").first.screenshot(path=str(artifacts / "dashboard_final.png"))
             latencies = page.evaluate("() => window.__b6")
-            summary = {"screens": shots, "b6_browser_ms": {
+            summary = {"frontend": frontend, "straggler": straggler, "screens": shots, "b6_browser_ms": {
                 "samples": len(latencies),
                 "median": 1e3 * statistics.median(latencies),
                 "max": 1e3 * max(latencies)}}
@@ -195,16 +283,18 @@ def _static_chart(page: object) -> dict[str, object]:
         const svg = src.startsWith('data:image/svg+xml;base64,') ? atob(src.split(',')[1]) : '';
         return {found: true, loaded: img.complete && img.naturalWidth > 0, width: box.width,
                 height: box.height, alt: img.alt, svg: svg.includes('loss per rank') && svg.includes('nbdist-static'),
+                straggler: svg.includes('straggler: rank 1 arrived last'),
                 text: panel.innerText};
     }""")  # type: ignore[attr-defined]
 
 
 @pytest.mark.timeout(300)
-def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: Path, dashboard_notebook,
+def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: Path, frontend: str,
+                                                                      dashboard_notebook,
                                                                       artifacts: Path) -> None:
     """Executed by nbclient, opened in JupyterLab where no kernel can start: the final SVG shows,
     in an untrusted notebook (as nbclient leaves it) and in a trusted one, with no widget error."""
-    _browser_tools()
+    _browser_tools(frontend)
     from nbclient import NotebookClient
     from nbformat.sign import NotebookNotary
     from playwright.sync_api import sync_playwright
@@ -223,12 +313,12 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
     options = ("--KernelSpecManager.allowed_kernelspecs=nbdist-no-kernel",
                f"--NotebookNotary.data_dir={tmp_path / 'notary'}")
     seen = {}
-    with _lab_server(tmp_path, *options) as server, sync_playwright() as playwright:
+    with _lab_server(tmp_path, *options, frontend=frontend) as server, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             for name in ("untrusted", "trusted"):
                 page = browser.new_page(viewport={"width": 1280, "height": 1100})
-                page.goto(_notebook_url(server, f"{name}.ipynb"))
+                page.goto(_notebook_url(server, f"{name}.ipynb", frontend))
                 page.wait_for_function(
                     "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
                     " && window.jupyterapp.shell.currentWidget.node.querySelector('.jp-OutputArea-output')",
@@ -251,7 +341,7 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
                     "() => window.jupyterapp.shell.currentWidget.content.widgets[1].model.trusted")
                 chart = _static_chart(page)
                 page.locator("img.nbdist-static-img").first.screenshot(
-                    path=str(artifacts / f"dashboard_saved_{name}.png"))
+                    path=str(artifacts / f"dashboard_saved_{frontend}_{name}.png"))
                 seen[name] = {key: value for key, value in chart.items() if key != "text"}
                 assert kernel is None, (name, kernel)
                 assert trusted == (name == "trusted"), (name, trusted)
@@ -262,5 +352,5 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
                 page.close()
         finally:
             browser.close()
-    shutil.copy(tmp_path / "jupyterlab.log", artifacts / "jupyterlab_saved.log")
+    shutil.copy(tmp_path / "jupyterlab.log", artifacts / f"{frontend}_saved.log")
     print(json.dumps(seen))

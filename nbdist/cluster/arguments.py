@@ -6,6 +6,7 @@ names the argument and says what would fit, never a TypeError from deeper down.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -95,6 +96,16 @@ def check_variable_name(name: Any, what: str) -> str:
     if not isinstance(name, str) or not name.isidentifier():
         raise NbdistError(f"{what}: {name!r} is not a valid Python name")
     return name
+
+
+def check_directory(path: Any, name: str) -> str:
+    """A directory path (str or os.PathLike) that is not an existing file."""
+    if isinstance(path, bool) or not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise NbdistError(f"{name} {path!r}: give a directory path")
+    text = os.fspath(path)
+    if not isinstance(text, str) or os.path.isfile(text):
+        raise NbdistError(f"{name} {text!r}: is a file; give a directory")
+    return text
 
 
 def check_code(code: Any, what: str = "the cell") -> str:

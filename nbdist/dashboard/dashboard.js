@@ -25,6 +25,20 @@ function formatNumber(value) {
   return String(Number(value.toPrecision(4)));
 }
 
+function formatMs(seconds) {
+  if (seconds == null || !isFinite(seconds)) return "–";
+  return seconds >= 0.01 ? `${(seconds * 1e3).toFixed(0)} ms` : `${(seconds * 1e3).toFixed(1)} ms`;
+}
+
+function describeStragglers(s) {
+  // worded as nbdist/dashboard/stragglers.describe words it for the static SVG
+  if (!s || !s.last) return "stragglers: no collective seen by every rank yet";
+  if (s.flagged != null) {
+    return `straggler: rank ${s.flagged} arrived last, ${formatMs(s.flagged_late)} late (last in ${s.late_collectives} of the last ${s.collectives} collectives)`;
+  }
+  return `no straggler: at the last collective (${s.last.name}) rank ${s.last.rank} arrived last by ${formatMs(s.last.late)}`;
+}
+
 function niceTicks(low, high, count) {
   if (!(isFinite(low) && isFinite(high)) || high <= low) return [low];
   const raw = (high - low) / count;
@@ -213,6 +227,7 @@ function render({ model, el }) {
   controls.append(select, logLabel);
   header.append(title, status, controls);
   const table = el_("table", "nbd-table");
+  const stragglerLine = el_("div", "nbd-stragglers");
   const charts = el_("div", "nbd-charts");
   const metricBox = el_("div", "nbd-chart");
   const metricTitle = el_("div", "nbd-chart-title");
@@ -223,7 +238,7 @@ function render({ model, el }) {
   const memoryCanvas = el_("canvas", "nbd-canvas nbd-memory-canvas");
   memoryBox.append(memoryTitle, memoryCanvas);
   charts.append(metricBox, memoryBox);
-  root.append(header, table, charts);
+  root.append(header, table, stragglerLine, charts);
   el.append(root);
   const probe = document.createElement("canvas").getContext("2d");
 
@@ -263,7 +278,8 @@ function render({ model, el }) {
     const elapsed = (performance.now() - receivedAt) / 1000;
     const rows = [];
     const head = el_("tr");
-    for (const h of ["rank", "state", "step", "steps/s", metric || "metric", "memory (allocated / reserved · peak · of capacity)"]) head.append(el_("th", "", h));
+    for (const h of ["rank", "state", "step", "steps/s", metric || "metric", "step time", "late by", "memory (allocated / reserved · peak · of capacity)"]) head.append(el_("th", "", h));
+    const stragglers = view.stragglers || {};
     rows.push(head);
     const states = [];
     for (const info of ranks) {
@@ -272,6 +288,7 @@ function render({ model, el }) {
       const [state, detail] = liveState(info, view.stale_after ?? 5, elapsed);
       states.push(state);
       tr.dataset.state = state;
+      if (stragglers.flagged === info.rank) tr.classList.add("nbd-straggler");
       tr.dataset.last = JSON.stringify(info.last || {}); // latest value per metric (tests, a11y tools)
       const swatch = el_("span", "nbd-swatch");
       swatch.style.background = palette(info.rank);
@@ -304,10 +321,15 @@ function render({ model, el }) {
       memCell.append(bar, memText);
       const last = info.last?.[metric];
       tr.append(rankCell, stateCell, el_("td", "nbd-num", formatNumber(info.step)),
-        el_("td", "nbd-num", formatNumber(info.steps_per_s)), el_("td", "nbd-num", formatNumber(last)), memCell);
+        el_("td", "nbd-num", formatNumber(info.steps_per_s)), el_("td", "nbd-num", formatNumber(last)),
+        el_("td", "nbd-num nbd-steptime", formatMs(info.step_time)), el_("td", "nbd-num nbd-lateby", formatMs(info.late_by)), memCell);
+      if (info.wait_share != null) tr.lastChild.previousSibling.previousSibling.title = `${Math.round(info.wait_share * 100)} % of it waiting in collectives`;
       rows.push(tr);
     }
     table.replaceChildren(...rows);
+    stragglerLine.textContent = describeStragglers(stragglers);
+    stragglerLine.classList.toggle("nbd-flagged", stragglers.flagged != null);
+    root.dataset.straggler = stragglers.flagged != null ? String(stragglers.flagged) : "";
     root.dataset.states = states.join(",");
     const cell = view.cell ? ` · cell ${view.cell}` : "";
     status.textContent = `${ranks.length} ranks${cell} · ${view.points ?? 0} points shown`;

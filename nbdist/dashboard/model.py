@@ -10,13 +10,14 @@ import math
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from nbdist.colors import PALETTE_DARK, PALETTE_LIGHT, rank_color
 from nbdist.dashboard.series import Series
+from nbdist.dashboard.stragglers import StragglerConfig, StragglerView
 
 
 @dataclass
@@ -46,6 +47,9 @@ class DashboardConfig:
 
     rate_window: float = 10.0
     """Seconds of recent ``log()`` records over which steps/s is computed."""
+
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    """When a rank counts as the one the others wait for (``stragglers.py``)."""
 
 
 @dataclass
@@ -106,6 +110,7 @@ class DashboardModel:
         self.payloads = 0
         self.pending_log_times: list[float] = []
         """Rank wall times of records ingested since the widget last synced (B6 latency)."""
+        self.stragglers = StragglerView(self.config.stragglers)
         self.ensure_ranks(ranks)
 
     # -- input ---------------------------------------------------------------------------------
@@ -147,6 +152,9 @@ class DashboardModel:
         metrics = payload.get("metrics")
         if isinstance(metrics, dict):
             self._ingest_metrics(history, metrics, now)
+        timing = payload.get("timing")
+        if isinstance(timing, dict):
+            self.stragglers.ingest(int(rank), timing)
 
     def _ingest_memory(self, history: _RankHistory, memory: dict[str, Any], t: Any) -> None:
         history.last_memory = memory
@@ -261,7 +269,11 @@ class DashboardModel:
         status = self.status(rank, now)
         rate = self.steps_per_second(rank)
         silent, silent_limit = self.log_silence(rank, now)
+        timing = self.stragglers.summary([rank])["ranks"][rank]
+        if timing["step_time"] is None and rate:
+            timing["step_time"] = 1.0 / rate  # no optimizer steps seen: from log(step=...)
         return {
+            **timing,
             "rank": rank,
             "state": status.state,
             "detail": status.detail,
@@ -324,6 +336,7 @@ class DashboardModel:
             "series": series,
             "points": offset,
             "stale_after": self.config.stale_after,
+            "stragglers": self.stragglers.summary(list(self.ranks)),
             "colors": {"light": list(PALETTE_LIGHT), "dark": list(PALETTE_DARK)},
         }
         return _jsonable(view), buffer

@@ -14,6 +14,7 @@ import numpy as np
 
 from nbdist.colors import rank_color, rank_dash
 from nbdist.dashboard.model import DashboardModel
+from nbdist.dashboard.stragglers import describe, ms
 from nbdist.text import format_bytes
 
 __all__ = ["format_bytes", "format_number", "nice_ticks", "render_svg"]  # format_bytes: re-exported
@@ -176,8 +177,10 @@ def _draw_lines(
 _ROW = 20
 _TABLE_TOP = 44
 _CHART_HEIGHT = 230
-_COLUMNS = (12, 64, 150, 226, 296, 376)
-"""x of the table's columns: rank, state, step, steps/s, last metric value, memory bar."""
+_COLUMNS = (12, 64, 140, 190, 250, 320, 390, 456)
+"""x of the table's columns: rank, state, step, steps/s, last metric value, step time, late by,
+memory bar."""
+_FLAG_COLOR = "#d08700"
 
 
 def render_svg(
@@ -191,7 +194,7 @@ def render_svg(
     ranks = list(model.ranks)
     names = model.metric_names()
     metric = metric if metric in names else (names[0] if names else None)
-    charts_top = _TABLE_TOP + _ROW * (len(ranks) + 1) + 12
+    charts_top = _TABLE_TOP + _ROW * (len(ranks) + 2) + 12
     height = charts_top + _CHART_HEIGHT + 28
     out: list[str] = [
         f'<svg xmlns="http://www.w3.org/2000/svg" class="nbdist-static" width="{width}" height="{height}" '
@@ -217,14 +220,20 @@ def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, 
         "step",
         "steps/s",
         html.escape(metric or "metric"),
+        "step time",
+        "late by",
         "memory: allocated ▮ reserved ▯ peak ┃ of capacity",
     )
+    stragglers = model.stragglers.summary(list(model.ranks))
     for x, text in zip(_COLUMNS, headers, strict=False):
         out.append(f'<text class="nbd-t nbd-m" x="{x}" y="{_TABLE_TOP}">{text}</text>')
-    bar_width = width - _COLUMNS[5] - 12
+    bar_width = width - _COLUMNS[7] - 12
     for index, rank in enumerate(model.ranks):
         summary = model.rank_summary(rank)
         y = _TABLE_TOP + _ROW * (index + 1)
+        if rank == stragglers["flagged"]:  # the rank the others wait for
+            out.append(f'<rect x="6" y="{y - 14}" width="{width - 12}" height="{_ROW - 2}" '
+                       f'fill="{_FLAG_COLOR}" fill-opacity="0.18"/>')
         out.append(f'<circle cx="{_COLUMNS[0] + 5}" cy="{y - 4}" r="5" fill="{rank_color(rank)}"/>')
         out.append(f'<text class="nbd-t" x="{_COLUMNS[0] + 16}" y="{y}">{rank}</text>')
         state = summary["state"]
@@ -236,12 +245,18 @@ def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, 
         out.append(f'<text class="nbd-t" x="{_COLUMNS[3]}" y="{y}">{format_number(summary["steps_per_s"])}</text>')
         last = summary["last"].get(metric) if metric else None
         out.append(f'<text class="nbd-t" x="{_COLUMNS[4]}" y="{y}">{format_number(last)}</text>')
-        _draw_memory_bar(out, rank, summary["memory"] or {}, y, min(160, bar_width - 320))
+        out.append(f'<text class="nbd-t" x="{_COLUMNS[5]}" y="{y}">{ms(summary["step_time"])}</text>')
+        out.append(f'<text class="nbd-t" x="{_COLUMNS[6]}" y="{y}">{ms(summary["late_by"])}</text>')
+        _draw_memory_bar(out, rank, summary["memory"] or {}, y, min(160, bar_width - 310))
+    y = _TABLE_TOP + _ROW * (len(model.ranks) + 1)
+    style = f' style="fill:{_FLAG_COLOR}"' if stragglers["flagged"] is not None else ""
+    out.append(f'<text class="nbd-t nbd-m" x="{_COLUMNS[0]}" y="{y}"{style}>'
+               f'{html.escape(describe(stragglers))}</text>')
 
 
 def _draw_memory_bar(out: list[str], rank: int, memory: dict[str, Any], y: int, track_width: float) -> None:
     """allocated (solid) and reserved (faint) as shares of capacity, peak as a tick, then the numbers."""
-    bar_left = _COLUMNS[5]
+    bar_left = _COLUMNS[7]
     capacity = float(memory.get("capacity") or 0)
     out.append(
         f'<rect class="nbd-track" x="{bar_left}" y="{y - 11}" width="{track_width}" height="12" rx="2"/>'

@@ -27,6 +27,7 @@ from nbdist.notebook.options import (
     positive_int,
     positive_seconds,
     push_values,
+    scripted_answers,
 )
 from nbdist.notebook.sink import NotebookSink
 
@@ -104,6 +105,8 @@ class DistMagics(Magics):
     @argument("--curve", action="store_true", help="encrypt ipyparallel traffic (CurveZMQ)")
     @argument("-o", "--launcher-option", action="append", default=[], metavar="KEY=VALUE",
               help="any launcher option, e.g. -o partition=gpu -o timelimit=2:00:00")
+    @argument("--tensorboard", default=None, metavar="DIR",
+              help="also write every rank's nbdist.log values as TensorBoard scalars under DIR")
     @line_magic
     def dist_start(self, line: str) -> None:
         """Start the ranks: engines, rank table, devices and one process group, checked by a
@@ -124,7 +127,8 @@ class DistMagics(Magics):
         try:
             cluster = Cluster(n=args.n, backend=args.backend, gpus_per_rank=args.gpus_per_rank,
                               threads=args.threads, config=config,
-                              memory_limit=args.memory_limit, **launch)
+                              memory_limit=args.memory_limit, tensorboard=args.tensorboard,
+                              **launch)
             cluster.start(progress=_progress)
         except NbdistError as exc:
             raise UsageError(f"%dist_start failed: {exc}\nNothing is left running.") from None
@@ -133,6 +137,9 @@ class DistMagics(Magics):
         print(f"nbdist: {cluster.world_size} rank(s) ready ({cluster.backend}) in "
               f"{cluster.start_seconds:.1f} s; first all_reduce ok on every rank")
         print(status.table())
+        if cluster.tensorboard is not None:
+            print(f"nbdist: TensorBoard scalars go to {cluster.tensorboard.run_dir} "
+                  f"(tensorboard --logdir {args.tensorboard})")
 
     @magic_arguments(name="%distributed")  # shown with magic_arguments' own "%": %%distributed
     @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
@@ -142,8 +149,9 @@ class DistMagics(Magics):
     @argument("--setup", action="store_true", help="re-run this cell after %%dist_restart")
     @argument("--no-lint", action="store_true",
               help="do not warn about collectives only some ranks reach")
+    @argument("--profile", nargs="?", const=True, metavar="PATH", help="profile; trace to PATH")
     @cell_magic
-    def distributed(self, line: str, cell: str) -> None:
+    def distributed(self, line: str, cell: str) -> Any:
         """Run the cell on the ranks; output streams live per rank."""
         args = _parse(self.distributed, line)
         cluster = self._cluster()
@@ -156,12 +164,13 @@ class DistMagics(Magics):
         sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
         try:
             with _as_usage_error():
-                result = cluster.run(cell, ranks=ranks, timeout=args.timeout, sink=sink)
+                result = cluster.run(cell, ranks, args.timeout, sink, profile=args.profile)
         finally:
             # even when the cell failed or was interrupted: a live widget view left in the saved
             # output would read "model not found" once the kernel is gone
             _close_output(sink)
         self._show_result(result, sink)
+        return cluster.last_profile if args.profile else None  # shown under the cell's output
 
     def _show_result(self, result: CellResult, sink: NotebookSink) -> None:
         """Errors raise (root causes first); otherwise each rank's value, then what nbdist did."""
@@ -293,7 +302,7 @@ class DistMagics(Magics):
         up, down, l, w, q; the frames and tensors stay on the rank."""
         args = _parse(self.dist_debug, line)
         cluster = self._cluster()
-        ask = input if args.command is None else _scripted_answers(args.command)
+        ask = input if args.command is None else scripted_answers(args.command)
         with _as_usage_error():
             cluster.debug(args.rank, ask=ask, show=print)
 
@@ -342,17 +351,6 @@ def _no_arguments(magic: str, line: str) -> None:
     # they had been understood
     if line.strip():
         raise UsageError(f"%{magic} takes no arguments (got {line.strip()!r})")
-
-
-def _scripted_answers(commands: list[str]) -> Callable[[str], str]:
-    """`%dist_debug -c ...`: the given commands in order (echoed after the prompt), then quit."""
-    answers = iter([*commands, "q"])
-
-    def ask(prompt: str) -> str:
-        command = next(answers, "q")
-        print(f"{prompt}{command}")
-        return command
-    return ask
 
 
 def _ranks(text: str | None, world_size: int) -> list[int] | None:

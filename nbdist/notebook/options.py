@@ -96,3 +96,14 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
         else:
             raise NbdistError(f"%dist_push: {item!r} is not defined in the notebook")
     return values
+
+
+def scripted_answers(commands: list[str]) -> Callable[[str], str]:
+    """`%dist_debug -c ...`: the given commands in order (echoed after the prompt), then quit."""
+    answers = iter([*commands, "q"])
+
+    def ask(prompt: str) -> str:
+        command = next(answers, "q")
+        print(f"{prompt}{command}")
+        return command
+    return ask

@@ -27,6 +27,10 @@ batches (≤ 10 light payloads/s per rank, each ≈ 1 ms of CPU in the controlle
 while a logged value still reaches the widget well within B6's 250 ms (the widget syncs at 5 Hz)."""
 
 
+LOG_KEYS = ("metrics", "timing")
+"""What a light payload, prompted by ``log()`` or an optimizer step, carries."""
+
+
 class TelemetryAgent:
     def __init__(
         self,
@@ -62,6 +66,9 @@ class TelemetryAgent:
         self.cell_id = 0
         self.seq = 0
         self.provider_errors: dict[str, str] = {}
+        self.on_cell_start: list[Callable[[], None]] = []
+        """Called on the main thread as each cell starts (step timing forgets the gap between
+        cells); one that raises is recorded in ``provider_errors``."""
 
     def register(self, key: str, provider: Provider) -> None:
         with self._lock:
@@ -88,6 +95,11 @@ class TelemetryAgent:
     def cell_started(self) -> None:
         self.cell_id += 1
         self.cell_running = True
+        for callback in list(self.on_cell_start):
+            try:
+                callback()
+            except Exception as exc:
+                self.provider_errors["cell_start"] = repr(exc)
         # the start sample is taken now (it resets the cell's peak) but sent by the thread only
         # if the cell still runs start_delay later: a short cell then costs one message (its
         # cell_end payload says everything), not two -- about 2 ms of every no-op cell
@@ -185,7 +197,7 @@ class TelemetryAgent:
                     break
                 self.wake.clear()
                 if self.cell_running:
-                    self.publish_now("log", only=("metrics",))
+                    self.publish_now("log", only=LOG_KEYS)
                 # a wake outside a cell (nothing is sent) still counts, so it cannot spin
                 self._last_publish = max(self._last_publish, time.monotonic())
                 continue

@@ -12,7 +12,15 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.worker import collectives, net, process_group, release, script_calls, tracebacks
+from nbdist.worker import (
+    collectives,
+    net,
+    process_group,
+    profiling,
+    release,
+    script_calls,
+    tracebacks,
+)
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
@@ -195,6 +203,7 @@ def _where() -> dict[str, Any] | None:
 def _pre_run_cell(*_: Any) -> None:
     collectives.TRACKER.reset_cell()
     script_calls.cell_started()
+    profiling.cell_started()  # a profiled cell's window starts here, not at the profiler's start
     if RUNTIME.agent is not None:
         RUNTIME.agent.cell_started()
 
@@ -204,6 +213,7 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
     tracker = collectives.TRACKER
     if tracker.failed_in is None and collectives.is_transport_failure(error):
         collectives.record_implicit_failure(tracker, error)
+    profiling.cell_finished()
     if RUNTIME.agent is not None:
         RUNTIME.agent.cell_finished()
 

@@ -2,7 +2,8 @@
 
 ``install()`` wraps the public torch.distributed collectives (module attributes, so code that calls
 ``dist.all_reduce`` — the user's or torch's own — goes through the wrapper). The cost is a few
-attribute writes and one frame walk per call.
+attribute writes and one frame walk per call, plus the wait recorded for the dashboard's
+straggler view (``step_timing``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from nbdist.worker import step_timing
 
 COLLECTIVES = (
     "all_reduce",
@@ -108,6 +111,8 @@ class CollectiveTracker:
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         tracker = self
+        timing = step_timing.TIMING
+        timing.learn_signature(name, fn)
 
         @functools.wraps(fn)
         def tracked(*args: Any, **kwargs: Any) -> Any:
@@ -117,8 +122,12 @@ class CollectiveTracker:
             call = CollectiveCall(name, user_location(sys._getframe(1)), time.time(), tracker.count)
             tracker.current = call
             tracker._depth += 1
+            ticket = timing.before(name, args, kwargs)  # the straggler view's sequence number
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
+                if ticket is not None:
+                    timing.after(ticket, name)
+                return result
             except BaseException as exc:
                 tracker.failed_in = call
                 if isinstance(exc, KeyboardInterrupt):

@@ -13,7 +13,9 @@ import time
 from collections import deque
 from typing import Any
 
+from nbdist.worker import progress_bars
 from nbdist.worker.agent import TelemetryAgent
+from nbdist.worker.step_timing import install_step_timing, uninstall_step_timing
 
 MAX_BUFFERED = 200_000
 """Records kept between two drains; beyond this the oldest are dropped (and counted)."""
@@ -194,6 +196,10 @@ def install_metrics(agent: TelemetryAgent) -> None:
             _BUFFER.enabled = True
     except Exception as exc:  # the dashboard is optional: a rank must come up without it
         agent.provider_errors["metrics"] = repr(exc)
+    # the straggler view's step and collective timing rides along with the metrics, and
+    # tqdm.auto draws the console bar the notebook shows live (not a widget it cannot draw)
+    install_step_timing(agent)
+    progress_bars.install()
 
 
 def uninstall_metrics(agent: TelemetryAgent | None = None) -> None:
@@ -203,3 +209,5 @@ def uninstall_metrics(agent: TelemetryAgent | None = None) -> None:
     _BUFFER.clear()
     if agent is not None:
         agent.unregister("metrics")
+    uninstall_step_timing(agent)
+    progress_bars.uninstall()
