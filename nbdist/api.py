@@ -7,6 +7,7 @@ sits above it: running cells (`nbdist.cells`), the status snapshot and the live 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +25,7 @@ from nbdist.cluster.arguments import (
 )
 from nbdist.cluster.core import ClusterCore, Progress
 from nbdist.cluster.memory_limit import with_memory_limit
+from nbdist.cluster.replace import replace_dead_ranks
 from nbdist.cluster.status import ClusterStatus
 from nbdist.errors import DistributedCellError
 from nbdist.export.run import script_cell
@@ -146,6 +148,17 @@ class Cluster(ClusterCore):
                         f"the ranks restarted, but setup cell {number} of {len(self._setup_cells)} "
                         f"did not finish: {result.failure_message()}", result)
         return self
+
+    def replace_dead(self, progress: Progress | None = None) -> list[int]:
+        """New processes for the dead ranks only, and a new process group that every rank joins:
+        the living ranks keep their variables (a trained model survives); the new ranks start
+        empty (setup cells are not re-run: they may hold collectives the others would repeat).
+        Returns the ranks replaced. Local engines only; otherwise use `restart`."""
+        self._require_running()
+        started = time.perf_counter()
+        replaced = replace_dead_ranks(self, progress or (lambda _msg: None))
+        self.start_seconds = time.perf_counter() - started if replaced else self.start_seconds
+        return replaced
 
     @property
     def batch_job(self) -> SlurmJob | None:

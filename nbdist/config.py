@@ -15,6 +15,10 @@ class NbdistConfig:
     engine_start_timeout: float = 90.0
     """Seconds to wait for every engine to register with the controller."""
 
+    fork_server: bool = True
+    """Local engines are forked from one warm process that imported torch once (fast start and
+    restart); False starts each engine as a fresh interpreter, as ipyparallel does."""
+
     batch_queue_timeout: float = 0.0
     """Seconds a batch job (Slurm) may wait in the queue before start gives up and cancels it; 0:
     wait as long as it is queued (progress shows its state; interrupt to cancel)."""

@@ -27,7 +27,7 @@ def test_quick_mode_measures_and_writes_the_table(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     text = out.read_text()
-    for heading in ("## Targets (issue 7)", "## B1:", "## B2:", "## B5:", "## B9:"):
+    for heading in ("## Targets (issues 7 and 14)", "## B1:", "## B2:", "## B5:", "## B9:"):
         assert heading in text
     data = json.loads(raw.read_text())
     nb = data["runs"]["nbdist"][0]
@@ -48,7 +48,8 @@ def test_table_from_synthetic_measurements() -> None:
                     "B4": {"steps_per_s": 5.0}, "B6": {"median": 0.2, "min": 0.1, "max": 0.3, "n": 9,
                                                        "p90": 0.25, "telemetry_interval": 0.5},
                     "B7": {"seconds": 1.5, "root_cause_shown": True}, "B8": {"seconds": 1.0},
-                    "B9": {"seconds": 1.0, "left": []}, "versions": {"nbdist": "x"}}],
+                    "B9": {"seconds": 1.0, "left": []}, "B10": sample(0.8), "B11": sample(2.5),
+                    "versions": {"nbdist": "x"}}],
         "ipyparallel": [{"B1": {"seconds": 10.0}, "B2": sample(0.020), "B3": sample(0.024),
                          "B7": {"seconds": None, "cap": 20.0}, "B9": {"seconds": 2.0, "left": [1]}}],
     }
@@ -56,7 +57,10 @@ def test_table_from_synthetic_measurements() -> None:
     data.b5 = [{"ratio_cpu_paired": 1.004, "ratio_wall_paired": 1.01, "log_call_us": 0.5,
                 "tick_us": 30.0}]
     text = bench.render(data, bench.Settings(command="test"))
-    assert "| B1 | ≤ 0.5 × raw ipyparallel | 0.40× | met |" in text
+    assert "| B1 | ≤ 0.25 × raw ipyparallel (issue 14) | 0.40× | **missed** |" in text
+    assert "| B1 | faster than every peer (÷ the fastest) | 0.40× | met |" in text
+    assert "| B10 | ≤ 2 s on 4 ranks | 0.80 s | met |" in text
+    assert "| B11 | ≤ 2 s on 4 ranks | 2.50 s | **missed** |" in text
     assert "| B2 | ≤ 0.8 × raw `view.execute` | 0.50× | met |" in text
     assert "| B4 | ≥ 0.97 × torchrun | 1.00× | met |" in text
     assert "> 20.0 s (still blocked; stopped by PID)" in text

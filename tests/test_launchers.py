@@ -47,7 +47,7 @@ def test_local_plan_stays_on_loopback():
     assert plan.cluster_kwargs["engine_launcher_class"].endswith(".LocalEngineSetLauncher")
     # a short heartbeat (registration completes on one) with ipyparallel's 30 s tolerance
     assert plan.cluster_kwargs["controller_args"] == [
-        "--log-level=40", "--HeartMonitor.period=500", "--HeartMonitor.max_heartmonitor_misses=60"]
+        "--log-level=40", "--HeartMonitor.period=100", "--HeartMonitor.max_heartmonitor_misses=300"]
 
 
 def test_unknown_launcher_and_option_are_clear_errors():

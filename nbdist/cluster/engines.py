@@ -6,6 +6,7 @@ PIDs only ever come from launchers whose processes run on this machine (`has_loc
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -17,6 +18,7 @@ from subprocess import CalledProcessError
 from typing import Any
 
 from nbdist.cluster import registered, slurm, watchdog
+from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess, start_fork_server
 from nbdist.cluster.launchers import (
     ENGINE_LOG_NOISE,
     ENGINE_SET_CLASS,
@@ -48,6 +50,7 @@ class Engines:
         self.job: slurm.SlurmJob | None = None
         """The engines' Slurm job, when ipyparallel's Slurm launcher submitted them."""
         self.progress: Callable[[str], None] = lambda _msg: None
+        self.fork_server: ForkServerProcess | None = None  # local engines fork from it
 
     def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
         """Controller, orphan watchdog and n engines; returns the connected client once the
@@ -70,9 +73,15 @@ class Engines:
 
         profile_dir = os.path.join(self.processes.workdir, "profile")
         engine_file = None
+        cluster_kwargs = dict(plan.cluster_kwargs)
         if early_engines:
             engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
             _start_engines_early(plan, engine_file, self.config.engine_start_timeout)
+            if self.config.fork_server:  # it imports torch while the controller starts
+                with _starting("fork server"):  # e.g. an engine_python that does not exist
+                    self.fork_server = start_fork_server(
+                        plan.config, self.processes.workdir, self.config.engine_start_timeout)
+                cluster_kwargs["engine_launcher_class"] = SET_LAUNCHER
         with private_files() as user_umask, _starting("ipyparallel controller"):
             _engines_restore_umask(plan, user_umask)
             _create_profile_dir(profile_dir)
@@ -85,7 +94,7 @@ class Engines:
                 log=_quiet_logger(),
                 shutdown_atexit=False,
                 engine_timeout=int(self.config.engine_start_timeout),
-                **plan.cluster_kwargs,
+                **cluster_kwargs,
             )
             if early_engines:
                 self.ipp.send_engines_connection_env = False
@@ -94,6 +103,10 @@ class Engines:
         return engine_file
 
     def start_engines(self, n: int) -> None:
+        if self.fork_server is not None and not self.fork_server.alive():
+            self.progress(f"{self.fork_server.why_gone()}\nstarting the engines cold instead")
+            self.ipp.engine_launcher_class = "ipyparallel.cluster.launcher.LocalEngineSetLauncher"
+            self.fork_server = None
         try:
             # private: the engines' logs (and the Slurm job's, via its umask)
             with private_files(), _starting(f"{n} engine(s)"):
@@ -110,6 +123,8 @@ class Engines:
                 launcher.on_stop(self.on_exit)
                 self._launchers_by_pid[launcher.pid] = launcher
                 _run_wait_thread_callbacks_at_once(launcher)
+        if cold := {getattr(la, "fallback_reason", "") for la in self.launchers()} - {""}:
+            self.progress(f"engines started cold, not forked: {'; '.join(sorted(cold))}")
 
     def publish_engine_file(self, target: str) -> None:
         """Copy the controller's engine connection file, once complete, to where the early
@@ -194,8 +209,9 @@ class Engines:
         return process_trees(la.pid for la in self.launchers() if has_local_pid(la))
 
     def owned_pids(self, helpers: list[Pid] | None = None) -> list[Pid]:
-        """The controller's family, the local engines and these helpers of the ranks."""
-        return sorted(set(self.processes.controller_family() + self.local_pids() + (helpers or [])))
+        """The controller's family, the fork server, the local engines and these helpers of the ranks."""
+        own = self.fork_server.owned() if self.fork_server is not None else []
+        return sorted(set(self.processes.controller_family() + own + self.local_pids() + (helpers or [])))
 
     def log_tail(self, pid: int, lines: int) -> str:
         """The last lines the engine with this PID wrote to its own log (crash messages land there)."""
@@ -248,6 +264,9 @@ class Engines:
                 launcher._stop_waiting.set()
         _end_loop_thread(self.ipp, self.config.stop_timeout)
         self.ipp = None
+        if self.fork_server is not None:
+            self.fork_server.reap()
+            self.fork_server = None
 
 
 def _end_loop_thread(ipp: Any, timeout: float) -> None:
@@ -266,12 +285,9 @@ def _end_loop_thread(ipp: Any, timeout: float) -> None:
 
 def close_quietly(client: Any) -> None:
     """Close an ipyparallel client, if any, whatever state its controller is in."""
-    if client is None:
-        return
-    try:
-        client.close()
-    except Exception:
-        pass
+    if client is not None:
+        with contextlib.suppress(Exception):
+            client.close()
 
 
 def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:

@@ -103,13 +103,34 @@ def stop_processes(procs: list[psutil.Process], grace: float) -> None:
     whichever is still running after `grace` seconds."""
     _signal_each(procs, signal.SIGTERM)
     _signal_each(procs, signal.SIGCONT)
-    _gone, still = psutil.wait_procs(procs, timeout=grace)
+    still = _wait_exited(procs, grace)
     for proc in still:
         try:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(still, timeout=grace)
+    _wait_exited(still, grace)
+
+
+def _wait_exited(procs: list[psutil.Process], timeout: float) -> list[psutil.Process]:
+    """Wait until each process has exited; those still running after `timeout`. A zombie has
+    exited: an engine forked by the fork server ends as init's zombie once the server is gone,
+    and init may take a second or more to reap it (psutil.wait_procs alone waited for that)."""
+    deadline = time.monotonic() + timeout
+    still = list(procs)
+    while still:
+        _gone, still = psutil.wait_procs(still, timeout=0.02)  # reaps those that are our children
+        still = [p for p in still if not _is_zombie(p)]
+        if time.monotonic() > deadline:
+            break
+    return still
+
+
+def _is_zombie(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
 
 
 def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str, interval: float,

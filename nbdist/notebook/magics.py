@@ -27,6 +27,7 @@ from nbdist.notebook.options import (
     positive_int,
     positive_seconds,
     push_values,
+    replaced_message,
     scripted_answers,
 )
 from nbdist.notebook.sink import NotebookSink
@@ -230,14 +231,22 @@ class DistMagics(Magics):
         print(f"nbdist: stopped {len(pids)} process(es) in {time.perf_counter() - started:.1f} s "
               f"(PIDs {', '.join(map(str, pids))})")
 
+    @magic_arguments()
+    @argument("--dead", action="store_true",
+              help="replace only the dead ranks; the others keep their variables")
     @line_magic
     def dist_restart(self, line: str) -> None:
         """%dist_restart: same ranks, new engine processes, new process group."""
-        _no_arguments("dist_restart", line)
+        args = _parse(self.dist_restart, line)
         cluster = _CURRENT
         if cluster is None:
             raise UsageError("no cluster to restart: run %dist_start first")
         old = {p.spec.rank: p.pid for p in cluster.ranks}
+        if args.dead:
+            with _as_usage_error("%dist_restart --dead: "):
+                replaced = cluster.replace_dead(progress=_progress)
+            print(replaced_message(replaced, cluster.start_seconds, cluster.generation))
+            return
         with _as_usage_error("%dist_restart: "):
             cluster.restart(progress=_progress)
         print(f"nbdist: restarted {cluster.world_size} rank(s) in {cluster.start_seconds:.1f} s "

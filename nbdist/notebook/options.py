@@ -98,6 +98,17 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
     return values
 
 
+def replaced_message(replaced: list[int], seconds: float, generation: int) -> str:
+    """What %dist_restart --dead prints."""
+    if not replaced:
+        return "nbdist: no rank is dead: nothing to replace"
+    ranks = ", ".join(map(str, replaced))
+    return (f"nbdist: replaced rank(s) {ranks} in {seconds:.1f} s (process group generation "
+            f"{generation}). The other ranks kept their variables; rank(s) {ranks} start empty: "
+            "run the cells that define what they need (a model can come from a living rank "
+            "with dist.broadcast), or %dist_restart for a fresh set of every rank")
+
+
 def scripted_answers(commands: list[str]) -> Callable[[str], str]:
     """`%dist_debug -c ...`: the given commands in order (echoed after the prompt), then quit."""
     answers = iter([*commands, "q"])

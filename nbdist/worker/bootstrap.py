@@ -63,7 +63,7 @@ def probe(peer: str | None = None) -> dict[str, Any]:
         "children": [(c.pid, c.create_time()) for c in me.children(recursive=True)],
         "gpu_count": gpu_count,
         "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "torch": torch.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion would import torch in the notebook (2 s)
         "python": sys.executable,
         "release_signal": int(release.RELEASE_SIGNAL) if release.INSTALLED else None,
     }

@@ -39,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--train-steps", type=int, default=30)
     parser.add_argument("--cap", type=float, default=CAP_SECONDS)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--restarts", type=int, default=3, help="B10/B11 samples per run")
     return parser.parse_args(argv)
 
 

@@ -55,7 +55,7 @@ class Settings:
     b5_steps: int = 60
     b5_rounds: int = 7
     tools: tuple[str, ...] = TOOLS
-    figures: str = "B1,B2,B3,B4,B6,B7,B8,B9"
+    figures: str = "B1,B2,B3,B4,B6,B7,B8,B9,B10,B11"
     torchrun: bool = True
     b5: bool = True
     install: bool = True
@@ -305,8 +305,13 @@ def build_rows(data: Collected) -> dict[str, Any]:
     r_b2_raw = _ratio(nb_b2, _pool(raw, "B2"))
     r_b2_jd = _ratio(nb_b2, _pool(jd, "B2"))
     r_b3 = _ratio(nb_b3, _pool(raw, "B3"))
+    peer_b1 = [statistics.median(v) for t in peers if (v := _pool(runs.get(t, []), "B1"))]
+    fastest_peer = min(peer_b1) if peer_b1 else None
+    r_peer = None if fastest_peer is None or not nb_b1 else statistics.median(nb_b1) / fastest_peer
     figures["B1"] = {"title": "time to first collective (start → all_reduce cell returned)", "rows": b1,
-                     "targets": [("≤ 0.5 × raw ipyparallel", r_b1, None if r_b1 is None else r_b1 <= 0.5)]}
+                     "targets": [("≤ 0.25 × raw ipyparallel (issue 14)", r_b1, None if r_b1 is None else r_b1 <= 0.25),
+                                 ("faster than every peer (÷ the fastest)", r_peer,
+                                  None if r_peer is None else r_peer < 1.0)]}
     figures["B2"] = {"title": "no-op cell round trip (`%%distributed pass`)", "rows": b2,
                      "targets": [("≤ 0.8 × raw `view.execute`", r_b2_raw, None if r_b2_raw is None else r_b2_raw <= 0.8),
                                  ("≤ 0.5 × jupyter-distributed", r_b2_jd, None if r_b2_jd is None else r_b2_jd <= 0.5)]}
@@ -364,6 +369,13 @@ def build_rows(data: Collected) -> dict[str, Any]:
     figures["B9"] = {"title": "`%dist_stop` seconds and processes left", "rows": b9,
                      "targets": [("≤ 3 s, 0 processes left", statistics.median(nb_b9) if nb_b9 else None,
                                   None if not nb_b9 else (statistics.median(nb_b9) <= 3.0 and left == 0))]}
+    for fig, title in (("B10", "`%dist_restart` → first collective (issue 14: warm restart)"),
+                       ("B11", "rank 1 SIGKILLed → `%dist_restart --dead` → first collective (issue 14)")):
+        values = _pool(nb, fig, "median")
+        figures[fig] = {"title": title, "rows": [{"tool": "nbdist", "values": values,
+                                                  "text": _fmt_s(values, "s"), "notes": []}],
+                        "targets": [("≤ 2 s on 4 ranks", statistics.median(values) if values else None,
+                                     None if not values else statistics.median(values) <= 2.0)]}
     figures["_b9_left"] = {tool: [len((r.get("B9") or {}).get("left") or []) for r in runs.get(tool, [])] for tool in runs}
     figures["_peers"] = peers
     return figures
@@ -415,24 +427,26 @@ def render(data: Collected, settings: Settings) -> str:
         "- **versions**: " + "; ".join(f"{tool}: " + ", ".join(f"{k} {v}" for k, v in vs.items())
                                        for tool, vs in versions.items()),
         "",
-        "## Targets (issue 7)",
+        "## Targets (issues 7 and 14)",
         "",
         "| figure | target | nbdist | verdict |",
         "| --- | --- | --- | --- |",
     ]
-    for fig in ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9"):
+    for fig in FIGURE_ORDER:
         for label, value, ok in figs[fig]["targets"]:
             if value is None:
                 shown = "—"
             elif fig in ("B1", "B2", "B3", "B4", "B5"):
                 shown = f"{value:.2f}×" if fig != "B5" else f"{value:.3f}"
+            elif fig in ("B10", "B11"):
+                shown = f"{value:.2f} s"
             elif fig == "B6":
                 shown = f"{1e3 * value:.0f} ms"
             else:
                 shown = f"{value:.2f} s"
             lines.append(f"| {fig} | {label} | {shown} | {_verdict(ok)} |")
     lines.append("")
-    for fig in ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9"):
+    for fig in FIGURE_ORDER:
         info = figs[fig]
         lines += [f"## {fig}: {info['title']}", "", "| tool | median (min–max, n) | nbdist ÷ tool | notes |",
                   "| --- | --- | --- | --- |"]
@@ -454,6 +468,28 @@ def render(data: Collected, settings: Settings) -> str:
     if extra:
         lines += ["## Notes from this run", "", *extra, ""]
     return "\n".join(lines)
+
+
+FIGURE_ORDER = ("B1", "B2", "B3", "B4", "B5", "B6", "B7", "B8", "B9", "B10", "B11")
+
+
+def split_sections(text: str) -> list[str]:
+    """The file's head and its '## ' sections, each with its own heading and trailing text."""
+    parts: list[str] = []
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## ") or not parts:
+            parts.append(line)
+        else:
+            parts[-1] += line
+    return parts
+
+
+def kept_sections(old_text: str) -> str:
+    """Sections other scripts wrote into RESULTS.md (scale, straggler cost...): a full run
+    regenerates its own sections and keeps theirs."""
+    own = ("## Targets", "## Notes from this run", *(f"## {fig}:" for fig in FIGURE_ORDER))
+    keep = [part for part in split_sections(old_text)[1:] if not part.startswith(own)]
+    return "".join(keep)
 
 
 def _extra_notes(data: Collected) -> list[str]:
@@ -491,7 +527,7 @@ def parse(argv: list[str] | None = None) -> Settings:
     parser.add_argument("--train-steps", type=int)
     parser.add_argument("--cap", type=float)
     parser.add_argument("--tools", help=f"comma list of {', '.join(TOOLS)}")
-    parser.add_argument("--figures", help="comma list of B1..B9 (B1 and B9 always run)")
+    parser.add_argument("--figures", help="comma list of B1..B11 (B1 and B9 always run)")
     parser.add_argument("--no-torchrun", action="store_true")
     parser.add_argument("--no-b5", action="store_true")
     parser.add_argument("--no-install", action="store_true", help="do not create .bench-venv; skip peers that need it")
@@ -543,7 +579,8 @@ def main(argv: list[str] | None = None) -> int:
     if settings.json_out:  # first: a table bug must never lose a 20-minute run
         Path(settings.json_out).write_text(json.dumps(data.__dict__, indent=1, default=str))
     text = render(data, settings)
-    Path(settings.out).write_text(text + "\n")
+    kept = kept_sections(Path(settings.out).read_text()) if os.path.exists(settings.out) else ""
+    Path(settings.out).write_text(text + "\n" + ("\n" + kept if kept else ""))
     say(f"wrote {settings.out}")
     print(text.split("## B1")[0])
     return 0 if not data.failures else 1

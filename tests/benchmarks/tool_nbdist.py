@@ -44,6 +44,16 @@ def main() -> None:
     if "B3" in want:
         with common.quiet():
             out["B3"] = common.summary(common.series(lambda: cell("distributed", "", common.ALL_REDUCE), args.reps))
+    if "B10" in want:  # %dist_restart -> first collective (issue 14: warm restart)
+        out["B10"] = common.summary([_timed_restart(shell, "") for _ in range(args.restarts)])
+        pids += [(pid, _ct(pid)) for pid in cluster.all_pids()]
+    if "B11" in want:  # rank 1 SIGKILLed -> %dist_restart --dead -> first collective
+        samples = []
+        for _ in range(args.restarts):
+            _kill_and_wait(cluster, 1)
+            samples.append(_timed_restart(shell, "--dead"))
+        out["B11"] = common.summary(samples)
+        pids += [(pid, _ct(pid)) for pid in cluster.all_pids()]
     if "B4" in want or "B6" in want:
         dashboard = cluster.dashboard()  # dashboard on: the widget model ingests every payload
         code = (
@@ -110,6 +120,28 @@ def main() -> None:
         shell.run_line_magic("dist_stop", "")
     out["B9"] = {"seconds": time.perf_counter() - started, "left": common.alive(pids)}
     common.emit(out)
+
+
+def _timed_restart(shell: Any, line: str) -> float:
+    started = time.perf_counter()
+    with common.quiet():
+        shell.run_line_magic("dist_restart", line)
+        shell.run_cell_magic("distributed", "", common.ALL_REDUCE)
+    return time.perf_counter() - started
+
+
+def _kill_and_wait(cluster: Any, rank: int, within: float = 10.0) -> None:
+    """SIGKILL one rank and wait until nbdist knows it is dead (what a user sees first)."""
+    import os
+    import signal
+
+    os.kill(cluster.ranks[rank].pid, signal.SIGKILL)
+    deadline = time.monotonic() + within
+    while cluster.ranks[rank].state != "dead":
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"rank {rank} not seen dead within {within} s")
+        cluster.poll_dead()
+        time.sleep(0.01)
 
 
 def _ct(pid: int) -> float:

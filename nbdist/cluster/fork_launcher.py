@@ -1,0 +1,241 @@
+"""Local engines forked from a warm server (`nbdist.worker.fork_server`) instead of started cold,
+as ipyparallel launcher classes: `ForkEngineSetLauncher` is a `LocalEngineSetLauncher` whose
+engines are forked, so ipyparallel's Cluster, its engine sets and nbdist's PID handling are unchanged.
+
+`ForkServerProcess` is the kernel's handle on the server: started beside the controller, kept
+across restarts, stopped by PID with the rest of the cluster. When the server is gone, an engine
+launcher says why (`fallback_reason`) and starts its engine cold, as `LocalEngineLauncher` would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from typing import Any
+
+import psutil
+from ipyparallel.cluster.launcher import (
+    LocalEngineLauncher,
+    LocalEngineSetLauncher,
+    ProcessStateError,
+)
+from traitlets import Float, Unicode
+from traitlets.config import Config
+
+from nbdist.cluster.processes import private_files
+from nbdist.text import tail
+
+SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"
+"""The `engine_launcher_class` a local cluster with a fork server gives ipyparallel."""
+
+
+class ForkServerUnavailable(Exception):
+    """The fork server cannot fork an engine (gone, or it refused); the text says why."""
+
+
+def request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """One request to the fork server, its reply; waits up to `timeout` for the server to listen."""
+    conn = _connect(path, timeout)
+    try:
+        conn.settimeout(timeout)
+        conn.sendall(json.dumps(message).encode() + b"\n")
+        reply = _read_line(conn)
+    finally:
+        conn.close()
+    if "error" in reply:
+        raise ForkServerUnavailable(f"the fork server refused: {reply['error']}")
+    return reply
+
+
+def _connect(path: str, timeout: float) -> socket.socket:
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.connect(path)
+            return conn
+        except OSError as exc:
+            conn.close()
+            if isinstance(exc, ConnectionRefusedError):  # the socket appears once it listens
+                raise ForkServerUnavailable(f"the fork server at {path} is gone (connection "
+                                            "refused)") from None
+            if time.monotonic() > deadline:
+                raise ForkServerUnavailable(f"no fork server listening at {path} ({exc})") from None
+            if not os.path.exists(os.path.dirname(path)):
+                raise ForkServerUnavailable(f"the fork server's directory {os.path.dirname(path)} is gone") from None
+            time.sleep(0.01)
+
+
+def _read_line(conn: socket.socket) -> dict[str, Any]:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ForkServerUnavailable("the fork server closed the connection (it exited)")
+        data += chunk
+    result: dict[str, Any] = json.loads(data)
+    return result
+
+
+class ForkEngineLauncher(LocalEngineLauncher):
+    """One engine, forked by the fork server; a cold start when the server cannot fork it."""
+
+    fork_socket = Unicode("", config=True, help="The fork server's Unix socket.")
+    fork_timeout = Float(90.0, config=True, help="Seconds to wait for the fork server to listen.")
+    fallback_reason = ""
+    """Why this engine was started cold instead of forked ('' when it was forked)."""
+    _forked = False
+
+    def start(self) -> None:
+        if self.state != "before":
+            raise ProcessStateError(f"The process was already started and has state: {self.state}")
+        env = os.environ.copy()
+        env.update(self.get_env())
+        message = {"op": "fork", "args": list(self.args), "env": env, "cwd": self.work_dir,
+                   "log": self.output_file}
+        try:
+            if not self.fork_socket:
+                raise ForkServerUnavailable("no fork server was started for this cluster")
+            reply = request(self.fork_socket, message, self.fork_timeout)
+        except (ForkServerUnavailable, OSError, ValueError) as exc:
+            self.fallback_reason = str(exc)
+            super().start()
+            return
+        self._forked = True
+        self.pid = int(reply["pid"])
+        self.process = psutil.Process(self.pid)
+        self.notify_start(self.pid)
+        self._start_waiting()
+
+    def _wait(self) -> None:
+        if not self._forked:
+            super()._wait()
+            return
+        exit_code: Any = None
+        try:
+            exit_code = self._wait_through_server()
+        except (ForkServerUnavailable, OSError, ValueError):
+            exit_code = self._wait_by_polling()  # the server is gone: no status to be had
+        stop_data = {"exit_code": exit_code, "pid": self.pid, "identifier": self.identifier}
+        self.loop.add_callback(lambda: self.notify_stop(stop_data))
+
+    def _wait_through_server(self) -> Any:
+        conn = _connect(self.fork_socket, 1.0)
+        try:
+            conn.sendall(json.dumps({"op": "wait", "pid": self.pid}).encode() + b"\n")
+            conn.settimeout(0.5)
+            data = b""
+            while not self._stop_waiting.is_set():
+                try:
+                    chunk = conn.recv(4096)
+                except TimeoutError:
+                    continue
+                if not chunk:
+                    raise ForkServerUnavailable("the fork server exited")
+                data += chunk
+                if data.endswith(b"\n"):
+                    reply = json.loads(data)
+                    if "error" in reply:
+                        raise ForkServerUnavailable(reply["error"])
+                    return reply["exit_code"]
+            return None
+        finally:
+            conn.close()
+
+    def _wait_by_polling(self) -> Any:
+        # not our child, and its parent (the server) is gone: it ends as init's zombie, which an
+        # init that never reaps (a container's sleep) keeps forever. A zombie has exited.
+        while not self._stop_waiting.is_set():
+            try:
+                if self.process.status() == psutil.STATUS_ZOMBIE:
+                    return "unknown"
+                self.process.wait(timeout=0.2)
+                return "unknown"
+            except psutil.TimeoutExpired:
+                continue
+            except psutil.NoSuchProcess:
+                return "unknown"
+        return None
+
+
+class ForkEngineSetLauncher(LocalEngineSetLauncher):
+    """A set of local engines forked by the fork server (see `ForkEngineLauncher`; its traits,
+    `ForkEngineLauncher.fork_socket` above all, come through the config)."""
+
+    launcher_class = ForkEngineLauncher
+    # ipyparallel sleeps this long between two engines of a set (0.1 s: 0.3 s of every start
+    # and restart of 4 ranks); a fork takes milliseconds and nbdist orders the ranks itself
+    delay = Float(0.0, config=True, help="Seconds between forking two engines of the set.")
+
+
+class ForkServerProcess:
+    """The kernel's handle on one fork server: its process, socket and log."""
+
+    def __init__(self, workdir: str, python: str | None = None) -> None:
+        self.socket_path = os.path.join(workdir, "fork-server.sock")
+        self.log_path = os.path.join(workdir, "fork-server.log")
+        self.python = python or sys.executable
+        self.process: subprocess.Popen[bytes] | None = None
+        self.create_time = 0.0
+
+    def start(self) -> None:
+        """Start the server; returns at once (it imports torch meanwhile)."""
+        with open(self.log_path, "ab") as log, open(os.devnull, "rb") as stdin:
+            self.process = subprocess.Popen(
+                [self.python, "-m", "nbdist.worker.fork_server", self.socket_path],
+                stdout=log, stderr=subprocess.STDOUT, stdin=stdin, start_new_session=True)
+        try:
+            self.create_time = psutil.Process(self.process.pid).create_time()
+        except psutil.NoSuchProcess:
+            self.create_time = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+    def owned(self) -> list[tuple[int, float]]:
+        """The server as a (pid, create time) record for the cluster's pid file."""
+        return [(self.process.pid, self.create_time)] if self.process is not None else []
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def why_gone(self) -> str:
+        """Why the server cannot fork: how it exited and the end of its log."""
+        if self.process is None:
+            return "the fork server was not started"
+        code = self.process.poll()
+        if code is None:
+            return ""
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        try:
+            with open(self.log_path, errors="replace") as f:
+                log = tail(f.read(), 10)
+        except OSError:
+            log = ""
+        return f"the fork server (pid {self.process.pid}) {how}" + (f":\n{log}" if log.strip() else "")
+
+    def reap(self) -> None:
+        """Collect the server's exit status once it is stopped (no zombie left)."""
+        if self.process is not None:
+            try:
+                self.process.wait(timeout=0)
+            except subprocess.TimeoutExpired:
+                pass
+
+
+def start_fork_server(config: Config, workdir: str, wait: float) -> ForkServerProcess:
+    """Start a fork server for a local cluster (with the engines' Python) and point the engine
+    launchers of `config` at it; returns at once."""
+    engine_set = config.LocalEngineSetLauncher
+    python = engine_set.engine_cmd[0] if "engine_cmd" in engine_set else None
+    server = ForkServerProcess(workdir, python)
+    with private_files():  # its log and socket: owner only
+        server.start()
+    config.ForkEngineLauncher.fork_socket = server.socket_path
+    config.ForkEngineLauncher.fork_timeout = wait
+    return server
