@@ -173,6 +173,8 @@ class Cluster(ClusterCore):
         return ClusterStatus.of(self, batch_job=job.summary() if job is not None else "")
 
     def stop(self) -> list[int]:
+        """Stop every process this cluster started, by PID (and close the TensorBoard file);
+        returns the PIDs that were stopped."""
         try:
             return super().stop()
         finally:
