@@ -140,8 +140,10 @@ class FaultPolicy:
             if cluster.running and not cluster.controller_lost:
                 reports = cell_reports(cluster, alive)
             classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
+            # the allocator's "std::bad_alloc" line comes before faulthandler's dump of every
+            # thread, which in an engine forked from the fork server ran past 80 lines
             name_out_of_memory(result, self.config.memory_limit,
-                               lambda rank: cluster.engine_log_tail(rank, 80))
+                               lambda rank: cluster.engine_log_tail(rank, 400))
         if cluster.controller_lost:
             return
         self._recover(reports, destroyed)
