@@ -49,7 +49,10 @@ def test_stop_button_anywhere_in_a_restart_then_restart_works(kernel):
     for delay in points:
         stopped = kernel.run("%dist_restart", interrupt_after=delay)
         said = f"stop button {delay:.2f} s into a {whole.seconds:.2f} s restart:\n{stopped.text}"
-        assert stopped.ok or "the restart was interrupted" in stopped.text, said
+        # the restart itself is ~0.3 s of a ~0.5 s cell with forked engines: a late press lands
+        # after it, in the status table's printing, and the restart has happened
+        finished = "nbdist: restarted" in stopped.text
+        assert stopped.ok or finished or "the restart was interrupted" in stopped.text, said
         again = kernel.run("%dist_restart")
         assert again.ok, f"the restart after it failed ({said}):\n{again.text}"
         works = kernel.run(CHECK)
