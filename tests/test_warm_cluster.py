@@ -147,3 +147,15 @@ def test_dist_restart_dead_magic(ip: Any, capsys: pytest.CaptureFixture[str],
         pids = cluster.all_pids()
         ip.run_line_magic("dist_stop", "")
     assert_all_gone(pids)
+
+
+@pytest.mark.parametrize("forked", [True, False], ids=["forked", "cold"])
+def test_stop_leaves_no_private_directory(forked: bool, fast_config: Any,
+                                          assert_all_gone: Any) -> None:
+    # ipyparallel rewrote the cluster file from an engine's wait thread after the directory was
+    # removed, and left profile/security/cluster-*.json behind (this failed 1 of 4 runs before)
+    cluster = Cluster(n=2, config=fast_config.replace(fork_server=forked)).start()
+    workdir = cluster.workdir
+    cluster.restart()
+    assert_all_gone(cluster.stop())
+    assert not os.path.exists(workdir), sorted(os.listdir(workdir))

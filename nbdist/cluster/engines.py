@@ -170,7 +170,7 @@ class Engines:
             if self.job is not None and self.job.while_starting(self.progress):
                 # the start-up deadline runs from when the job runs; the queue has its own
                 deadline = time.monotonic() + self.config.engine_start_timeout
-                _check_queue_wait(self.job, queued_since, self.config.batch_queue_timeout)
+                slurm.check_queue_wait(self.job, queued_since, self.config.batch_queue_timeout)
             exited = [la for la in self.launchers() if la.state == "after"]
             if exited:
                 raise ClusterStartError(
@@ -262,6 +262,9 @@ class Engines:
         for launcher in self.launchers():
             if hasattr(launcher, "_stop_waiting"):
                 launcher._stop_waiting.set()
+        deadline = time.monotonic() + 1.0  # an exit still being reported rewrites the cluster
+        for launcher in self._launchers_by_pid.values():  # file: after the workdir went, it stayed
+            launcher._wait_thread.join(timeout=max(0.0, deadline - time.monotonic()))
         _end_loop_thread(self.ipp, self.config.stop_timeout)
         self.ipp = None
         if self.fork_server is not None:
@@ -369,13 +372,6 @@ def _run_wait_thread_callbacks_at_once(launcher: Any) -> None:
 
     loop.add_callback = add_callback
     loop._nbdist_wait_passthrough = True
-
-
-def _check_queue_wait(job: slurm.SlurmJob, since: float, limit: float) -> None:
-    if limit and time.monotonic() - since > limit:
-        raise ClusterStartError(
-            f"Slurm job {job.job_id} still {job.state().state} ({job.state().reason}) after "
-            f"{limit:.0f} s (NbdistConfig.batch_queue_timeout); it was cancelled")
 
 
 def _log_tails(launchers: list[Any], lines: int = 15) -> str:

@@ -234,3 +234,12 @@ class SlurmJob:
                 return False
             time.sleep(0.1)
         return True
+
+
+def check_queue_wait(job: SlurmJob, since: float, limit: float) -> None:
+    """A job still queued `limit` s after `since` (NbdistConfig.batch_queue_timeout, 0: no limit)
+    ends the start (which then cancels the job)."""
+    if limit and time.monotonic() - since > limit:
+        raise ClusterStartError(
+            f"Slurm job {job.job_id} still {job.state().state} ({job.state().reason}) after "
+            f"{limit:.0f} s (NbdistConfig.batch_queue_timeout); it was cancelled")
