@@ -96,6 +96,21 @@ def _lab_server(root: Path, *options: str, frontend: str = "lab") -> Iterator[st
         log.close()
 
 
+def open_saved_notebook(page: Any, url: str) -> None:
+    """Open a saved notebook with no kernel: wait for its outputs, dismiss the kernel dialog."""
+    page.goto(url)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.node.querySelector('.jp-OutputArea-output')",
+        timeout=60_000)
+    # the kernel dialog (only "No Kernel" to pick) appears once the session is set up
+    try:
+        page.wait_for_selector(".jp-Dialog .jp-mod-accept", timeout=15_000)
+        page.click(".jp-Dialog .jp-mod-accept")
+    except Exception:
+        pass  # no dialog: nothing to dismiss
+
+
 def _notebook_url(server: str, name: str, frontend: str = "lab") -> str:
     base, token = server.split("?")
     if frontend == "notebook":
@@ -318,17 +333,7 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
         try:
             for name in ("untrusted", "trusted"):
                 page = browser.new_page(viewport={"width": 1280, "height": 1100})
-                page.goto(_notebook_url(server, f"{name}.ipynb", frontend))
-                page.wait_for_function(
-                    "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                    " && window.jupyterapp.shell.currentWidget.node.querySelector('.jp-OutputArea-output')",
-                    timeout=60_000)
-                # the kernel dialog (only "No Kernel" to pick) appears once the session is set up
-                try:
-                    page.wait_for_selector(".jp-Dialog .jp-mod-accept", timeout=15_000)
-                    page.click(".jp-Dialog .jp-mod-accept")
-                except Exception:
-                    pass  # no dialog: nothing to dismiss
+                open_saved_notebook(page, _notebook_url(server, f"{name}.ipynb", frontend))
                 page.wait_for_function(
                     "() => { const i = window.jupyterapp.shell.currentWidget.node.querySelector("
                     "'img.nbdist-static-img'); return i && i.complete && i.naturalWidth > 0; }",

@@ -20,6 +20,7 @@ from tests.test_dashboard_browser import (
     _browser_tools,
     _lab_server,
     _notebook_url,
+    open_saved_notebook,
 )
 
 pytestmark = pytest.mark.browser
@@ -131,16 +132,7 @@ def test_saved_profile_shows_its_svg_without_a_kernel(tmp_path: Path, frontend: 
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            page.goto(_notebook_url(server, "saved.ipynb", frontend))
-            page.wait_for_function(
-                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                " && window.jupyterapp.shell.currentWidget.node.querySelector('.jp-OutputArea-output')",
-                timeout=60_000)
-            try:
-                page.wait_for_selector(".jp-Dialog .jp-mod-accept", timeout=15_000)
-                page.click(".jp-Dialog .jp-mod-accept")
-            except Exception:
-                pass  # no kernel dialog: nothing to dismiss
+            open_saved_notebook(page, _notebook_url(server, "saved.ipynb", frontend))
             page.wait_for_function(
                 "() => { const i = document.querySelector('img.nbdist-profile-img');"
                 " return i && i.complete && i.naturalWidth > 0 && i.offsetParent !== null; }",
