@@ -4,7 +4,7 @@ profilers, run the cell as usual, always stop them, and merge what comes back in
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nbdist.cells.output import OutputSink
 from nbdist.cells.result import CellResult
@@ -79,13 +79,19 @@ def _collect(cluster: ClusterCore, targets: list[int]) -> tuple[list[dict], dict
             missing[rank] = str(exc)
     gathered = gather(asyncs, CONTROL_TIMEOUT)
     missing.update(gathered.failures)
+    captures = _captures(gathered.results, missing, "no profiler was running there")
+    return captures, missing
+
+
+def _captures(results: dict[int, Any], missing: dict[int, str], none_reason: str) -> list[dict]:
+    """The ranks' captures tagged with their rank; a rank that returned none goes to `missing`."""
     captures = []
-    for rank, capture in gathered.results.items():
+    for rank, capture in results.items():
         if capture is None:
-            missing[rank] = "no profiler was running there"
+            missing[rank] = none_reason
         else:
             captures.append({**capture, "rank": rank})
-    return captures, missing
+    return captures
 
 
 def collect_last_profile(cluster: ClusterCore, ranks: list[int] | None,
@@ -96,12 +102,8 @@ def collect_last_profile(cluster: ClusterCore, ranks: list[int] | None,
     gathered = gather({r: cluster.view(r).apply_async(profiling.last_capture) for r in targets},
                       CONTROL_TIMEOUT)
     missing = dict(gathered.failures)
-    captures = []
-    for rank, capture in gathered.results.items():
-        if capture is None:
-            missing[rank] = "nothing profiled there yet (use `with nbdist.profile():` in a cell)"
-        else:
-            captures.append({**capture, "rank": rank})
+    captures = _captures(gathered.results, missing,
+                         "nothing profiled there yet (use `with nbdist.profile():` in a cell)")
     if not captures:
         raise NbdistError("no rank has a profile: " + "; ".join(
             f"rank {r}: {why}" for r, why in sorted(missing.items())))
