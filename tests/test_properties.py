@@ -655,3 +655,42 @@ def test_start_that_fails_leaves_nothing_running(ip, line, assert_all_gone, subr
         ip.run_line_magic("dist_start", line)
     assert magics.current_cluster() is None
     assert_all_gone(sorted(_children() - before), within=10)
+
+
+_FORKER = """
+import os, time
+print("forking", flush=True)
+while True:
+    if os.fork() == 0:
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(0.002)
+"""
+
+
+def test_a_process_forking_while_it_is_stopped_leaves_no_child(subreaper):
+    """What the failed start above met in CI (an ipyparallel controller still forking its
+    schedulers when the start failed left one running): the tree is stopped as it grows.
+    Without waiting for SIGSTOP to take effect, 5 of 100 such stops left a child here."""
+    import subprocess
+    import sys
+    import time
+
+    from nbdist.cluster import watchdog
+
+    left_behind = 0
+    for i in range(60):
+        before = _children()
+        forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdout=subprocess.PIPE)
+        assert forker.stdout is not None and forker.stdout.readline()
+        time.sleep(0.02 + (i % 7) * 0.003)  # stop it at a different point of its loop each time
+        watchdog.terminate_all([(forker.pid, psutil.Process(forker.pid).create_time())], grace=2.0)
+        forker.wait()
+        forker.stdout.close()
+        new = [psutil.Process(pid) for pid in _children() - before]
+        survivors = [p for p in new if p.status() != psutil.STATUS_ZOMBIE]
+        left_behind += bool(survivors)
+        for proc in survivors:
+            proc.kill()
+        psutil.wait_procs(new, timeout=5)  # reaps the children this subreaper adopted
+    assert left_behind == 0, f"{left_behind} of 60 stops left a child running"
