@@ -19,6 +19,11 @@ class NbdistConfig:
     """Local engines are forked from one warm process that imported torch once (fast start and
     restart); False starts each engine as a fresh interpreter, as ipyparallel does."""
 
+    direct_cells: bool = True
+    """Cells go to local ranks over nbdist's own socket to each engine, not through ipyparallel's
+    controller (same output, errors and stop button; a no-op cell in a fraction of the time);
+    False sends every cell through ipyparallel, as ranks on other machines always are."""
+
     batch_queue_timeout: float = 0.0
     """Seconds a batch job (Slurm) may wait in the queue before start gives up and cancels it; 0:
     wait as long as it is queued (progress shows its state; interrupt to cancel)."""

@@ -1,6 +1,8 @@
 """Run one cell on a set of ranks: dispatch, live output, results, errors — no IPython imports.
 
-Output and telemetry arrive on ipyparallel's IO thread; callbacks only enqueue them, and the
+A cell reaches local ranks over the direct channel (``nbdist.cells.direct``), read on the
+caller's thread; through ipyparallel otherwise (ranks on other machines), whose
+output and telemetry arrive on its IO thread, where callbacks only enqueue them. Either way the
 caller's thread (the notebook's main thread) renders them, watches deadlines and dead ranks, and
 asks the fault policy (``nbdist.cells.policy``) what to do when something goes wrong.
 """
@@ -13,6 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells.breakpoints import BreakpointPrompts
+from nbdist.cells.direct import new_metadata, read_message
 from nbdist.cells.output import NullSink, OutputSink
 from nbdist.cells.policy import FaultPolicy
 from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
@@ -23,6 +26,7 @@ from nbdist.worker.agent import TELEMETRY_KEY
 
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
+    from nbdist.cluster.cell_channel import NotebookChannel
 
 __all__ = ["CellResult", "OutputSink", "NullSink", "run_cell"]
 
@@ -72,6 +76,8 @@ class CellRun:
         self._next_dead_check = self.started + self.config.dead_check_interval
         self.policy = FaultPolicy(self)
         self.breakpoints = BreakpointPrompts(cluster.workdir, sink)
+        self.direct: NotebookChannel | None = None  # the cell went over the direct channel
+        self.token = ""
 
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
@@ -79,15 +85,10 @@ class CellRun:
         try:
             # views first: building one is ~0.4 ms of Python, and doing it between sends makes
             # the main thread and ipyparallel's IO thread trade the GIL once per rank
-            views = {rank: self.cluster.view(rank) for rank in self.targets}
-            for rank in self.targets:
-                ar = views[rank].execute(self.result.code, silent=False, block=False)
-                self.asyncs[rank] = ar
-                # the AsyncResult's own metadata dict: client.metadata[msg_id] may already have
-                # been dropped by ipyparallel, and the lookup then makes a new, empty one (the
-                # rank's value and output lost: 3 cells in 300 here)
-                self.metadata[rank] = ar.metadata
-                self._attach(rank, ar)
+            if self._direct_ports() is not None:
+                self._send_direct()
+            else:
+                self._send_through_ipyparallel()
             try:
                 self._wait()
             except KeyboardInterrupt:
@@ -97,6 +98,50 @@ class CellRun:
             self._detach()
         self._finalize()
         return self.result
+
+    def _direct_ports(self) -> dict[int, int] | None:
+        """Each target's direct cell channel (nbdist.cells.direct), or None: through ipyparallel."""
+        if not (self.config.direct_cells and self.cluster.cell_channel):
+            return None
+        ports = {rank: self.cluster.ranks[rank].cell_port for rank in self.targets}
+        return None if None in ports.values() else ports  # type: ignore[return-value]
+
+    def _send_direct(self) -> None:
+        import zmq
+
+        channel = self.direct = self.cluster.cell_channel
+        assert channel is not None
+        self.token = channel.new_token()
+        for rank, port in (self._direct_ports() or {}).items():
+            self.metadata[rank] = new_metadata()
+            try:
+                channel.send_cell(rank, port, self.token, self.result.code)
+            except zmq.Again:  # its queue is full: the engine has not read a cell in a long while
+                self.pending.discard(rank)
+                self.result.errors[rank] = RankError(
+                    rank=rank, kind="lost", ename="NbdistError",
+                    evalue="the rank took no new cell within 1 s (its engine is not reading any)")
+
+    def _send_through_ipyparallel(self) -> None:
+        views = {rank: self.cluster.view(rank) for rank in self.targets}
+        for rank in self.targets:
+            ar = views[rank].execute(self.result.code, silent=False, block=False)
+            self.asyncs[rank] = ar
+            # the AsyncResult's own metadata dict: client.metadata[msg_id] may already have
+            # been dropped by ipyparallel, and the lookup then makes a new, empty one (the
+            # rank's value and output lost: 3 cells in 300 here)
+            self.metadata[rank] = ar.metadata
+            self._attach(rank, ar)
+
+    def _receive_direct(self, wait: float) -> None:
+        assert self.direct is not None
+        for message in self.direct.receive(wait):
+            md = self.metadata.get(message.rank)
+            if message.token != self.token or md is None:
+                continue  # an earlier cell's late output, given up on
+            event = read_message(message, md)
+            if event is not None:
+                self._handle(message.rank, *event)
 
     def _attach(self, rank: int, ar: Any) -> None:
         def on_iopub(msg: dict[str, Any]) -> None:
@@ -146,6 +191,9 @@ class CellRun:
 
     def pump(self, wait: float) -> None:
         """Handle events for up to `wait` seconds (returns early once something arrived)."""
+        if self.direct is not None:
+            self._receive_direct(wait)
+            wait = 0.0  # and whatever ipyparallel delivered meanwhile (nothing, for a cell)
         try:
             item = self.events.get(timeout=wait) if wait > 0 else self.events.get_nowait()
         except queue.Empty:
@@ -264,7 +312,7 @@ class CellRun:
                 result.errors[rank] = self._dead_rank_error(rank)
                 continue
             error = md.get("error")
-            if error is None and self.asyncs[rank].done():
+            if error is None and rank in self.asyncs and self.asyncs[rank].done():
                 error = _exception_of(self.asyncs[rank])
             if error is not None:
                 result.errors[rank] = rank_error_from_remote(rank, error)

@@ -16,6 +16,7 @@ from typing import Any
 from nbdist.cluster import attach as attaching
 from nbdist.cluster import rank_calls, rank_setup, watchdog
 from nbdist.cluster.arguments import check_cluster_arguments
+from nbdist.cluster.cell_channel import NotebookChannel, close_channel, open_channel
 from nbdist.cluster.engines import Engines, ask_remote_engines_to_exit, close_quietly
 from nbdist.cluster.launchers import build_launcher_plan, warn_unauthenticated_rendezvous
 from nbdist.cluster.liveness import Liveness
@@ -84,6 +85,7 @@ class ClusterCore:
         self._engines = Engines(self._config, self._processes, self._liveness.record_exit)
         self._liveness.job_ended = self._engines.job_ended  # Slurm: a cancelled job's ranks are dead
         self._rendezvous = Rendezvous(master_addr, interface)
+        self.cell_channel: NotebookChannel | None = None  # cells straight to local ranks
 
     # ------------------------------------------------------------------ state
     @property
@@ -121,6 +123,12 @@ class ClusterCore:
 
     def _launchers(self) -> list[Any]:
         return self._engines.launchers()
+
+    def cell_channel_address(self) -> str | None:
+        """Where local ranks send what their direct cells produce (the channel is made on first
+        use); None when every cell goes through ipyparallel (NbdistConfig.direct_cells)."""
+        self.cell_channel = self.cell_channel or open_channel(self._client, self.config.direct_cells)
+        return self.cell_channel.address if self.cell_channel is not None else None
 
     def is_registered(self, engine_id: int) -> bool:
         """The controller still lists this engine (True when there is no client to ask)."""
@@ -168,7 +176,7 @@ class ClusterCore:
         workdir = self._processes.create_workdir()
         try:
             if self._attach_target is not None:
-                self._bootstrap(say, engine_ids=self._attach_engines(say, self._attach_target))
+                self._bootstrap(say, engine_ids=attaching.attach_cluster(self, say, self._attach_target))
             else:
                 n = rank_setup.rank_count(self.requested_n, self._plan)
                 say(f"starting controller and {n} engine(s) ({self.launcher}) in {workdir}")
@@ -207,7 +215,8 @@ class ClusterCore:
         port = self._rendezvous.port(client, specs[0].engine_id, timeout)
         self.ranks = rank_setup.setup_ranks(
             client, specs, probes, port=port, generation=self.generation, rendezvous=self._rendezvous,
-            config=self.config, workdir=self.workdir, requested_threads=self.requested_threads)
+            config=self.config, workdir=self.workdir, requested_threads=self.requested_threads,
+            cell_channel=self.cell_channel_address())
         self._write_pidfile()
         rank_setup.freeze_collectors(client, ids, timeout)
 
@@ -298,7 +307,7 @@ class ClusterCore:
         n = self.world_size or rank_setup.rank_count(self.requested_n, self._plan)
         started = time.perf_counter()
         if self._attached:
-            self._restart_attached(n, say)
+            attaching.restart_attached(self, n, say)
         elif self.controller_lost or self._client is None or not self._processes.controller_alive():
             self._teardown_processes()
             self.ranks = []
@@ -351,6 +360,8 @@ class ClusterCore:
                 self._ask_remote_engines_to_exit()
         close_quietly(self._client)
         self._client = None
+        close_channel(self.cell_channel)
+        self.cell_channel = None
         watchdog.terminate_all(owned, grace=self.config.stop_timeout)
         self._engines.forget()
         self._processes.stop_watchdog()
@@ -366,21 +377,6 @@ class ClusterCore:
     def _ask_remote_engines_to_exit(self) -> None:
         remote = [p.spec.engine_id for p in self.ranks if not p.local and p.state == "alive"]
         ask_remote_engines_to_exit(self._client, remote)
-
-    # ------------------------------------------------------------------ attached engines
-    def _attach_engines(self, say: Progress, target: dict[str, Any]) -> list[int]:
-        self._attached = True
-        self._client, ids = attaching.attach_engines(target, self.requested_n, self.config, say)
-        self._liveness.watch_unregistrations(self._client)
-        return ids
-
-    def _restart_attached(self, n: int, say: Progress) -> None:
-        alive = [p for p in self.ranks if p.state == "alive" and p.spec.engine_id in self._client.ids]
-        self.teardown_process_group([p.spec.rank for p in alive], timeout=self.config.rebuild_timeout)
-        dead_ids = [p.spec.engine_id for p in self.ranks if p not in alive]
-        say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
-        ids = attaching.wait_for_registered(self._client, n, self.config, exclude=dead_ids)
-        self._bootstrap(say, engine_ids=ids)
 
     def __enter__(self) -> ClusterCore:
         return self.start()

@@ -79,7 +79,7 @@ def probe_and_plan(client: Any, ids: list[int], requested_backend: str, gpus_per
 
 def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, port: int,
                 generation: int, rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                requested_threads: int | None) -> list[RankProcess]:
+                requested_threads: int | None, cell_channel: str | None) -> list[RankProcess]:
     """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
     cwd = os.getcwd()
     asyncs = {}
@@ -87,6 +87,7 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
         options = setup_options(
             spec, probes[spec.engine_id], port=port, generation=generation, rendezvous=rendezvous,
             config=config, workdir=workdir, requested_threads=requested_threads, cwd=cwd,
+            cell_channel=cell_channel,
         )
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
             bootstrap.setup_rank, spec_dict(spec), options)
@@ -96,7 +97,7 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
 
 def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
                   rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                  requested_threads: int | None, cwd: str) -> dict[str, Any]:
+                  requested_threads: int | None, cwd: str, cell_channel: str | None) -> dict[str, Any]:
     """What one rank's setup_rank call gets besides its spec."""
     threads = requested_threads or default_threads(probe["cpu_count"] or 1, spec.local_world_size)
     master_addr = rendezvous.master_addr
@@ -119,6 +120,8 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "breakpoint_dir": workdir if is_local_engine(probe) else None,
         "breakpoint_poll_interval": config.breakpoint_poll_interval,
         "memory_limit": memory_limit_bytes(config.memory_limit),
+        # where a local rank sends what its direct cells produce (a loopback socket)
+        "cell_channel": cell_channel if is_local_engine(probe) else None,
     }
 
 
@@ -143,6 +146,7 @@ def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
             helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
             local=is_local_engine(probes[spec.engine_id]),
             release_signal=probes[spec.engine_id].get("release_signal"),
+            cell_port=results[spec.engine_id].get("cell_port"),
         )
         for spec in specs
     ]

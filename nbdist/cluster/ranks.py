@@ -79,6 +79,7 @@ class RankProcess:
     exit_detail: str = ""
     local: bool = True  # a process on this machine (signalled by PID); else through the controller
     release_signal: int | None = None  # the engine's "fail your blocked collective" signal, if any
+    cell_port: int | None = None  # the engine's direct cell channel (nbdist.worker.cell_channel)
 
 
 def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> list[int]:

@@ -80,7 +80,7 @@ def _join_together(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int
         options = setup_options(spec, probes[spec.engine_id], port=port, generation=generation,
                                 rendezvous=cluster._rendezvous, config=config,
                                 workdir=cluster.workdir, requested_threads=cluster.requested_threads,
-                                cwd=os.getcwd())
+                                cwd=os.getcwd(), cell_channel=cluster.cell_channel_address())
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
             bootstrap.setup_rank, spec_dict(spec), options)
     rebuilds = {p.spec.engine_id: client[p.spec.engine_id].apply_async(

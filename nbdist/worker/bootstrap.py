@@ -23,6 +23,7 @@ from nbdist.worker import (
 )
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
+from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
@@ -83,6 +84,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     install_breakpoint_hook(RUNTIME.agent, options.get("breakpoint_dir"),
                             float(options.get("breakpoint_poll_interval", 0.02)))
 
+    cell_port = open_channel(spec["rank"], options["cell_channel"]) if options.get("cell_channel") else None
     RUNTIME.pg_timeout = float(options["pg_timeout"])
     init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
                             options.get("store_path"))
@@ -97,6 +99,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "threads": threads,
         "pg_seconds": init["seconds"],
         "memory_limit": memory_limit,
+        "cell_port": cell_port,
     }
 
 
