@@ -74,7 +74,7 @@ def _collect(cluster: ClusterCore, targets: list[int]) -> tuple[list[dict], dict
             missing[rank] = f"rank {rank} is dead ({cluster.ranks[rank].exit_detail})"
             continue
         try:
-            asyncs[rank] = cluster.view(rank).apply_async(profiling.stop_cell_profile)
+            asyncs[rank] = cluster.view(rank).apply_async(profiling.stop)
         except NbdistError as exc:
             missing[rank] = str(exc)
     gathered = gather(asyncs, CONTROL_TIMEOUT)

@@ -21,6 +21,7 @@ from nbdist.cells.policy import FaultPolicy
 from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
 from nbdist.cells.result import CellResult, RankError
 from nbdist.cells.syntax import check_syntax
+from nbdist.cluster.cell_channel import SEND_TIMEOUT_MS
 from nbdist.errors import NbdistError
 from nbdist.worker.agent import TELEMETRY_KEY
 
@@ -83,8 +84,9 @@ class CellRun:
     def execute(self) -> CellResult:
         self.cluster.telemetry.cell_has_metrics = False
         try:
-            if self._direct_ports() is not None:
-                self._send_direct()
+            ports = self._direct_ports()
+            if ports is not None:
+                self._send_direct(ports)
             else:
                 self._send_through_ipyparallel()
             try:
@@ -104,13 +106,13 @@ class CellRun:
         ports = {rank: self.cluster.ranks[rank].cell_port for rank in self.targets}
         return None if None in ports.values() else ports  # type: ignore[return-value]
 
-    def _send_direct(self) -> None:
+    def _send_direct(self, ports: dict[int, int]) -> None:
         import zmq
 
         channel = self.direct = self.cluster.cell_channel
         assert channel is not None
         self.token = channel.new_token()
-        for rank, port in (self._direct_ports() or {}).items():
+        for rank, port in ports.items():
             self.metadata[rank] = new_metadata()
             try:
                 channel.send_cell(rank, port, self.token, self.result.code)
@@ -118,7 +120,8 @@ class CellRun:
                 self.pending.discard(rank)
                 self.result.errors[rank] = RankError(
                     rank=rank, kind="lost", ename="NbdistError",
-                    evalue="the rank took no new cell within 1 s (its engine is not reading any)")
+                    evalue=f"the rank took no new cell within {SEND_TIMEOUT_MS / 1000:g} s "
+                           "(its engine is not reading any)")
 
     def _send_through_ipyparallel(self) -> None:
         # views first: building one is ~0.4 ms of Python, and doing it between sends makes

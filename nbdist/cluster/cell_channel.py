@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from nbdist.worker.cell_channel import CELL_REPLY, CELL_REQUEST
@@ -20,15 +21,13 @@ __all__ = ["CELL_REPLY", "ChannelMessage", "NotebookChannel"]
 SEND_TIMEOUT_MS = 1000
 
 
+@dataclass(frozen=True, slots=True)
 class ChannelMessage:
     """One message from a rank: its cell token, rank and the Jupyter message itself."""
 
-    __slots__ = ("token", "rank", "msg")
-
-    def __init__(self, token: str, rank: int, msg: dict[str, Any]) -> None:
-        self.token = token
-        self.rank = rank
-        self.msg = msg
+    token: str
+    rank: int
+    msg: dict[str, Any]
 
 
 class NotebookChannel:

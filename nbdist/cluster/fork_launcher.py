@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -46,6 +47,7 @@ def request(path: str, message: dict[str, Any], timeout: float) -> dict[str, Any
         reply = _read_line(conn)
     finally:
         conn.close()
+    assert reply is not None  # only a stop event makes it None
     if "error" in reply:
         raise ForkServerUnavailable(f"the fork server refused: {reply['error']}")
     return reply
@@ -70,10 +72,19 @@ def _connect(path: str, timeout: float) -> socket.socket:
             time.sleep(0.01)
 
 
-def _read_line(conn: socket.socket) -> dict[str, Any]:
+def _read_line(conn: socket.socket, stop: threading.Event | None = None) -> dict[str, Any] | None:
+    """One JSON line from the server. With `stop` (and a timeout on `conn`), None once `stop`
+    is set; without, the connection's timeout raises."""
     data = b""
     while not data.endswith(b"\n"):
-        chunk = conn.recv(65536)
+        if stop is not None and stop.is_set():
+            return None
+        try:
+            chunk = conn.recv(65536)
+        except TimeoutError:
+            if stop is None:
+                raise
+            continue
         if not chunk:
             raise ForkServerUnavailable("the fork server closed the connection (it exited)")
         data += chunk
@@ -128,23 +139,14 @@ class ForkEngineLauncher(LocalEngineLauncher):
         try:
             conn.sendall(json.dumps({"op": "wait", "pid": self.pid}).encode() + b"\n")
             conn.settimeout(0.5)
-            data = b""
-            while not self._stop_waiting.is_set():
-                try:
-                    chunk = conn.recv(4096)
-                except TimeoutError:
-                    continue
-                if not chunk:
-                    raise ForkServerUnavailable("the fork server exited")
-                data += chunk
-                if data.endswith(b"\n"):
-                    reply = json.loads(data)
-                    if "error" in reply:
-                        raise ForkServerUnavailable(reply["error"])
-                    return reply["exit_code"]
-            return None
+            reply = _read_line(conn, stop=self._stop_waiting)
         finally:
             conn.close()
+        if reply is None:  # the cluster is being forgotten: nobody waits any more
+            return None
+        if "error" in reply:
+            raise ForkServerUnavailable(reply["error"])
+        return reply["exit_code"]
 
     def _wait_by_polling(self) -> Any:
         # not our child, and its parent (the server) is gone: it ends as init's zombie, which an

@@ -264,12 +264,17 @@ class DashboardModel:
         # the loss first: it is what people watch
         return sorted(names, key=lambda name: (name != "loss", name))
 
-    def rank_summary(self, rank: int, now: float | None = None) -> dict[str, Any]:
+    def rank_summary(self, rank: int, now: float | None = None,
+                     stragglers: dict[str, Any] | None = None) -> dict[str, Any]:
+        """One rank's row; `stragglers`: ``self.stragglers.summary`` of every rank, when the
+        caller has it already (the view and the SVG build it once for all rows)."""
         history = self._rank(rank)
         status = self.status(rank, now)
         rate = self.steps_per_second(rank)
         silent, silent_limit = self.log_silence(rank, now)
-        timing = self.stragglers.summary([rank])["ranks"][rank]
+        if stragglers is None:
+            stragglers = self.stragglers.summary([rank])
+        timing = dict(stragglers["ranks"][rank])
         if timing["step_time"] is None and rate:
             timing["step_time"] = 1.0 / rate  # no optimizer steps seen: from log(step=...)
         return {
@@ -328,15 +333,16 @@ class DashboardModel:
             )
             offset += int(x.size)
         buffer = np.concatenate(chunks).astype(np.float32).tobytes() if chunks else b""
+        stragglers = self.stragglers.summary(list(self.ranks))
         view = {
             "revision": self.revision,
             "cell": self.cell,
-            "ranks": [self.rank_summary(rank, now) for rank in self.ranks],
+            "ranks": [self.rank_summary(rank, now, stragglers) for rank in self.ranks],
             "metrics": self.metric_names(),
             "series": series,
             "points": offset,
             "stale_after": self.config.stale_after,
-            "stragglers": self.stragglers.summary(list(self.ranks)),
+            "stragglers": stragglers,
             "colors": {"light": list(PALETTE_LIGHT), "dark": list(PALETTE_DARK)},
         }
         return _jsonable(view), buffer

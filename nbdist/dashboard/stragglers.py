@@ -102,9 +102,14 @@ class StragglerView:
 
     def late_ones(self) -> list[tuple[int, float]]:
         """(last rank, lateness) of the recent complete collectives that came late enough."""
+        return [arrival.last() for arrival in self._late_arrivals(self._recent())]
+
+    def _recent(self) -> list[tuple[tuple[str, int], Arrival]]:
+        return list(self.complete)[-self.config.window:]
+
+    def _late_arrivals(self, recent: list[tuple[tuple[str, int], Arrival]]) -> list[Arrival]:
         threshold = self._threshold()
-        recent = list(self.complete)[-self.config.window:]
-        return [(rank, late) for rank, late in (a.last() for _, a in recent) if late >= threshold]
+        return [arrival for _, arrival in recent if arrival.last()[1] >= threshold]
 
     def _update_flag(self) -> None:
         late = self.late_ones()
@@ -119,7 +124,7 @@ class StragglerView:
 
     def summary(self, ranks: list[int]) -> dict[str, Any]:
         """What the dashboard shows: the last collectives, the flagged rank, per-rank times."""
-        recent = list(self.complete)[-self.config.window:]
+        recent = self._recent()
         last = None
         if recent:
             key, arrival = recent[-1]
@@ -128,8 +133,7 @@ class StragglerView:
                     "seq": key[1], "size": arrival.size}
         # a step has one collective that waits for the straggler and others that do not: "late
         # by" looks at the late ones when there are any, else at the last few
-        threshold = self._threshold()
-        late_ones = [a for _, a in recent if a.last()[1] >= threshold]
+        late_ones = self._late_arrivals(recent)
         late_by: dict[int, list[float]] = {}
         for arrival in late_ones or [a for _, a in recent[-self.config.late_by_window:]]:
             latest = max(arrival.waits.values())
@@ -145,7 +149,7 @@ class StragglerView:
                 "late_by": statistics.median(lateness) if lateness else None,
                 "steps_timed": self.step_counts.get(rank, 0),
             }
-        late = self.late_ones()
+        late = [arrival.last() for arrival in late_ones]
         return {
             "last": last,
             "flagged": self.flagged,

@@ -229,7 +229,7 @@ def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, 
         out.append(f'<text class="nbd-t nbd-m" x="{x}" y="{_TABLE_TOP}">{text}</text>')
     bar_width = width - _COLUMNS[7] - 12
     for index, rank in enumerate(model.ranks):
-        summary = model.rank_summary(rank)
+        summary = model.rank_summary(rank, stragglers=stragglers)
         y = _TABLE_TOP + _ROW * (index + 1)
         if rank == stragglers["flagged"]:  # the rank the others wait for
             out.append(f'<rect x="6" y="{y - 14}" width="{width - 12}" height="{_ROW - 2}" '

@@ -103,37 +103,37 @@ class CellServer:
         idents = [str(content["token"]).encode(), str(self.rank).encode()]
         code = str(content["code"])
         self._tap(idents)
-        if self._is_async(code):  # top-level await: run on the engine's loop, reply when done
-            asyncio.ensure_future(self._serve_async(idents, code))
+        transformed = self._needs_loop(code)
+        if transformed is not None:  # top-level await: run on the engine's loop, reply when done
+            asyncio.ensure_future(self._serve_async(idents, code, transformed))
             return
-        reply = _failed()
         try:
             with _interruptible():
                 reply = _reply(self.shell.run_cell(code, store_history=True, silent=False))
         except BaseException as exc:  # nbdist's own failure, never the cell's (run_cell catches those)
-            reply["evalue"] = f"the direct cell channel failed: {type(exc).__name__}: {exc}"
-        finally:
-            self._finish(idents, reply)
+            reply = _failed(exc)
+        self._finish(idents, reply)
 
-    async def _serve_async(self, idents: list[bytes], code: str) -> None:
-        reply = _failed()
+    async def _serve_async(self, idents: list[bytes], code: str, transformed: str) -> None:
         try:
             with _interruptible():
                 reply = _reply(await self.shell.run_cell_async(
-                    code, store_history=True, silent=False,
-                    transformed_cell=self.shell.transform_cell(code), preprocessing_exc_tuple=None))
+                    code, store_history=True, silent=False, transformed_cell=transformed,
+                    preprocessing_exc_tuple=None))
         except BaseException as exc:
-            reply["evalue"] = f"the direct cell channel failed: {type(exc).__name__}: {exc}"
-        finally:
-            self._finish(idents, reply)
+            reply = _failed(exc)
+        self._finish(idents, reply)
 
-    def _is_async(self, code: str) -> bool:
+    def _needs_loop(self, code: str) -> str | None:
+        """The transformed cell when it has top-level await (IPython's own test), else None."""
         try:
             transformed = self.shell.transform_cell(code)
+            if self.shell.should_run_async(code, transformed_cell=transformed,
+                                           preprocessing_exc_tuple=None):
+                return str(transformed)
         except Exception:  # run_cell reports it
-            return False
-        return bool(self.shell.should_run_async(code, transformed_cell=transformed,
-                                                preprocessing_exc_tuple=None))
+            pass
+        return None
 
     def _finish(self, idents: list[bytes], reply: dict[str, Any]) -> None:
         """Every output the cell made, then its reply (one socket: they arrive in that order)."""
@@ -184,8 +184,9 @@ def _reply(result: Any) -> dict[str, Any]:
     return {"status": "error", "ename": type(error).__name__, "evalue": str(error), "traceback": []}
 
 
-def _failed() -> dict[str, Any]:
-    return {"status": "error", "ename": "NbdistError", "evalue": "", "traceback": []}
+def _failed(exc: BaseException) -> dict[str, Any]:
+    return {"status": "error", "ename": "NbdistError", "traceback": [],
+            "evalue": f"the direct cell channel failed: {type(exc).__name__}: {exc}"}
 
 
 _SERVER: CellServer | None = None

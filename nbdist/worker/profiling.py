@@ -9,7 +9,6 @@ order. Nothing is wrapped, and nothing costs anything, when no profile runs.
 from __future__ import annotations
 
 import functools
-import inspect
 import os
 import socket
 import sys
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.worker.collectives import COLLECTIVES
+from nbdist.worker.step_timing import call_argument, parameter_index
 
 MAX_EVENTS = 20_000
 """Events kept per rank and capture; beyond it the shortest nested operators are dropped first
@@ -99,11 +99,6 @@ def stop(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
         session.profiler.__exit__(None, None, None)
     LAST_CAPTURE = _capture(session, end_wall_us, max_events)
     return LAST_CAPTURE
-
-
-def stop_cell_profile(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
-    """What the notebook calls after a profiled cell: stop, and hand the capture over."""
-    return stop(max_events)
 
 
 def last_capture() -> dict[str, Any] | None:
@@ -185,10 +180,7 @@ def _unwrap_collectives(session: _Session) -> None:
 def _labelled(name: str, fn: Callable[..., Any], session: _Session) -> Callable[..., Any]:
     import torch
 
-    try:
-        signature: inspect.Signature | None = inspect.signature(fn)
-    except (TypeError, ValueError):
-        signature = None
+    group_at = parameter_index(fn, "group")
 
     @functools.wraps(fn)
     def labelled(*args: Any, **kwargs: Any) -> Any:
@@ -197,7 +189,8 @@ def _labelled(name: str, fn: Callable[..., Any], session: _Session) -> Callable[
             return fn(*args, **kwargs)
         session.depth.value = 1
         try:
-            label = f"{COLLECTIVE_PREFIX}{name}|{_group_name(signature, args, kwargs)}"
+            group = call_argument(args, kwargs, "group", group_at, None)
+            label = f"{COLLECTIVE_PREFIX}{name}|{_group_name(group)}"
             with torch.profiler.record_function(label):
                 return fn(*args, **kwargs)
         finally:
@@ -207,14 +200,8 @@ def _labelled(name: str, fn: Callable[..., Any], session: _Session) -> Callable[
     return labelled
 
 
-def _group_name(signature: inspect.Signature | None, args: tuple[Any, ...],
-                kwargs: dict[str, Any]) -> str:
-    group = kwargs.get("group")
-    if group is None and signature is not None:
-        try:
-            group = signature.bind_partial(*args, **kwargs).arguments.get("group")
-        except TypeError:
-            group = None
+def _group_name(group: Any) -> str:
+    """The name of a call's group (None: the default group's)."""
     if group is None:
         import torch.distributed as dist
 

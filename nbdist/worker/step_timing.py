@@ -60,14 +60,7 @@ class StepTiming:
     # -- collectives ---------------------------------------------------------------------------
     def learn_signature(self, name: str, fn: Any) -> None:
         """Where ``fn`` takes ``group`` and ``async_op`` positionally (once, at wrap time)."""
-        try:
-            params = list(inspect.signature(fn).parameters)
-        except (TypeError, ValueError):
-            params = []
-        self._group_arguments[name] = (
-            params.index("group") if "group" in params else None,
-            params.index("async_op") if "async_op" in params else None,
-        )
+        self._group_arguments[name] = (parameter_index(fn, "group"), parameter_index(fn, "async_op"))
 
     def before(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Ticket | None:
         """Called just before a blocking collective: its group's next sequence number."""
@@ -75,9 +68,9 @@ class StepTiming:
             return None
         try:
             group_at, async_at = self._group_arguments.get(name, (None, None))
-            if _argument(args, kwargs, "async_op", async_at, False):
+            if call_argument(args, kwargs, "async_op", async_at, False):
                 return None  # returns at once: its wait is the caller's .wait(), not this call
-            group = _argument(args, kwargs, "group", group_at, None)
+            group = call_argument(args, kwargs, "group", group_at, None)
             if group is None:
                 from torch.distributed import distributed_c10d
 
@@ -152,8 +145,18 @@ class StepTiming:
         return {"collectives": collectives, "steps": steps}
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int | None,
-              default: Any) -> Any:
+def parameter_index(fn: Any, name: str) -> int | None:
+    """Where ``fn`` takes the parameter ``name`` positionally (None: not at all, or unknown)."""
+    try:
+        params = list(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return params.index(name) if name in params else None
+
+
+def call_argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, index: int | None,
+                  default: Any) -> Any:
+    """The argument ``name`` of one call, by keyword or at ``index`` (`parameter_index`)."""
     if name in kwargs:
         return kwargs[name]
     if index is not None and index < len(args):
