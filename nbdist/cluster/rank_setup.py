@@ -12,6 +12,7 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
+from nbdist import torch_support
 from nbdist.cluster.launchers import LauncherPlan
 from nbdist.cluster.memory_limit import memory_limit_bytes
 from nbdist.cluster.ranks import (
@@ -68,6 +69,9 @@ def probe_and_plan(client: Any, ids: list[int], requested_backend: str, gpus_per
     peer = controller_host(client)
     probes = collect({eid: client[eid].apply_async(bootstrap.probe, peer) for eid in ids},
                      timeout, "probing engines (torch import)")
+    too_old = torch_support.floor_problem({eid: probe["torch"] for eid, probe in probes.items()})
+    if too_old:
+        raise ClusterStartError(too_old)
     infos = [
         EngineInfo(engine_id=eid, host=probes[eid]["host"], pid=probes[eid]["pid"],
                    gpu_count=probes[eid]["gpu_count"])

@@ -9,6 +9,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from nbdist import torch_support
 from nbdist.strategies._common import (
     BlockSpec,
     OptimizerArg,
@@ -93,6 +94,8 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.
         dtype = getattr(torch, _DTYPES[opts.mixed_precision])
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     device = rank_device()
+    if device.type == "cpu":
+        torch_support.require("fsdp2-cpu")
     offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
 
     names = param_names(model)

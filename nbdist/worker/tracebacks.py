@@ -15,12 +15,14 @@ import sys
 import traceback as _traceback
 from typing import Any
 
+from nbdist import torch_support
 from nbdist.worker import memory_limit
 from nbdist.worker.collectives import is_cell_file, is_transport_failure
 
 
 def install(shell: Any) -> None:
-    shell.set_custom_exc((KeyboardInterrupt, RuntimeError, MemoryError), _format)
+    # AttributeError: how a torch older than a feature needs fails (torch_support.FEATURES)
+    shell.set_custom_exc((KeyboardInterrupt, RuntimeError, MemoryError, AttributeError), _format)
     # IPython's history keeps a second rendering of every error; the engines never need it
     shell._format_exception_for_storage = _for_storage
 
@@ -29,6 +31,7 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: A
     """IPython's custom-exception hook. It must show the error itself: IPython 9 drops what the
     hook returns, and ipykernel's error reply takes the traceback from ``_showtraceback``."""
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # as showtraceback does
+    _note_old_torch(etype, value)
     with memory_limit.lifted():  # an error that hit --memory-limit must still be shown
         if etype is KeyboardInterrupt or is_transport_failure(value):
             stb = plain(etype, value, tb)
@@ -36,6 +39,16 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: A
             stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
         shell._showtraceback(etype, value, stb)
     return stb
+
+
+def _note_old_torch(etype: type, value: BaseException) -> None:
+    """Add one line saying which torch a feature needs when the error is how an older one fails."""
+    torch = sys.modules.get("torch")
+    if torch is None or not hasattr(value, "add_note"):
+        return
+    note = torch_support.hint(etype.__name__, str(value), str(torch.__version__))
+    if note and note not in getattr(value, "__notes__", []):
+        value.add_note(note)
 
 
 def plain(etype: type, value: BaseException, tb: Any) -> list[str]:

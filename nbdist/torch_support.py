@@ -1,0 +1,79 @@
+"""Which torch releases nbdist supports, and the features that need a newer one than the oldest:
+one table, so a feature says so in one line at use instead of failing deep inside torch."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from nbdist.errors import NbdistError
+
+TORCH_FLOOR = (2, 6)
+"""The oldest torch the default suite passes on (.ci/floor-suite); pyproject.toml says the same."""
+
+
+class TorchTooOldError(NbdistError):
+    """A rank's torch is older than nbdist, or one of its features, needs."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """A feature that needs a newer torch than the floor, and how torch fails without it."""
+
+    title: str
+    minimum: tuple[int, int]
+    symptom: str
+    """A regular expression matched against ``"ExceptionName: message"`` of the failure."""
+
+
+FEATURES: dict[str, Feature] = {
+    "fsdp2-cpu": Feature(
+        "FSDP2 (fully_shard) on CPU", (2, 7),
+        r"AttributeError: 'Stream' object has no attribute 'record_event'",
+    ),
+}
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    """``"2.6.0+cu124"`` -> ``(2, 6)``."""
+    match = re.match(r"(\d+)\.(\d+)", str(version))
+    if not match:
+        raise ValueError(f"not a torch version: {version!r}")
+    return int(match.group(1)), int(match.group(2))
+
+
+def _dotted(version: tuple[int, int]) -> str:
+    return f"{version[0]}.{version[1]}"
+
+
+def require(feature: str, torch_version: str | None = None) -> None:
+    """Raise `TorchTooOldError` when ``torch_version`` (default: this process's) lacks `feature`."""
+    if torch_version is None:
+        import torch
+
+        torch_version = str(torch.__version__)
+    needed = FEATURES[feature]
+    if version_tuple(torch_version) < needed.minimum:
+        raise TorchTooOldError(
+            f"{needed.title} needs torch >= {_dotted(needed.minimum)}; this rank has {torch_version}."
+        )
+
+
+def hint(ename: str, evalue: str, torch_version: str) -> str | None:
+    """The one-line reason when a rank's error is a known failure of a torch that is too old."""
+    failure = f"{ename}: {evalue}"
+    for needed in FEATURES.values():
+        if version_tuple(torch_version) < needed.minimum and re.search(needed.symptom, failure):
+            return (f"{needed.title} needs torch >= {_dotted(needed.minimum)}; "
+                    f"this rank has {torch_version}.")
+    return None
+
+
+def floor_problem(versions: dict[int, str]) -> str | None:
+    """Why engines whose torch is older than `TORCH_FLOOR` cannot run (engine id -> version)."""
+    old = {key: v for key, v in sorted(versions.items()) if version_tuple(v) < TORCH_FLOOR}
+    if not old:
+        return None
+    listed = ", ".join(f"engine {key} has {v}" for key, v in old.items())
+    return (f"nbdist needs torch >= {_dotted(TORCH_FLOOR)}: {listed}. "
+            "Install a newer torch in the engines' environment.")
