@@ -217,6 +217,8 @@ class ClusterCore:
             client, specs, probes, port=port, generation=self.generation, rendezvous=self._rendezvous,
             config=self.config, workdir=self.workdir, requested_threads=self.requested_threads,
             cell_channel=self.cell_channel_address())
+        for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
+            say(f"nbdist: {note}")
         self._write_pidfile()
         rank_setup.freeze_collectors(client, ids, timeout)
 
