@@ -63,7 +63,7 @@ class ClusterCore:
             n=n, gpus_per_rank=gpus_per_rank, threads=threads, config=config, master_addr=master_addr,
             launcher=launcher, launcher_options=launcher_options, profile=profile, interface=interface)
         self.requested_n = n
-        self.requested_backend = validate_backend(backend)
+        self.requested_backend = validate_backend(backend, gpus_per_rank)
         self.gpus_per_rank = gpus_per_rank
         self.requested_threads = threads
         self.interface = interface

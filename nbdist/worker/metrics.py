@@ -91,6 +91,8 @@ def _capture(name: str, value: Any) -> Any:
         return value
     if isinstance(value, numbers.Real):
         return float(value)
+    if isinstance(value, PendingValue):
+        return value
     item = getattr(value, "item", None)
     if item is None:
         _reject(name, type(value).__name__)

@@ -4,8 +4,10 @@ attributes of any picklable object)."""
 
 from __future__ import annotations
 
+import copy
 import io
 import pickle
+import types
 from typing import Any
 
 
@@ -23,8 +25,40 @@ def move_tensors(value: Any, device: Any) -> Any:
     try:
         _MovingPickler(buffer, target).dump(value)
     except (pickle.PicklingError, TypeError, AttributeError):
-        return value  # not picklable here (a lambda inside): it travels as ipyparallel sends it
+        # a class defined in a cell or a lambda inside: not picklable by reference here
+        return _walk(value, target, {})
     return pickle.loads(buffer.getvalue())
+
+
+_NOT_COPIED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+               types.ModuleType)
+
+
+def _walk(value: Any, target: Any, memo: dict[int, Any]) -> Any:
+    """`value` rebuilt with its tensors moved: containers by type, other objects copied with
+    their attributes walked (what the pickler could not do)."""
+    import torch
+
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        moved = _moved(value, target)
+        if isinstance(value, torch.nn.Parameter) and moved is not value:
+            moved = _parameter(moved, value.requires_grad)
+    elif type(value) is dict:
+        moved = {key: _walk(item, target, memo) for key, item in value.items()}
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        moved = type(value)(*(_walk(item, target, memo) for item in value))
+    elif type(value) in (list, tuple, set, frozenset):
+        moved = type(value)(_walk(item, target, memo) for item in value)
+    elif hasattr(value, "__dict__") and not isinstance(value, _NOT_COPIED):
+        moved = copy.copy(value)
+        for name, item in vars(value).items():
+            object.__setattr__(moved, name, _walk(item, target, memo))
+    else:
+        moved = value
+    memo[id(value)] = moved
+    return moved
 
 
 def _moved(tensor: Any, target: Any) -> Any:
