@@ -43,7 +43,12 @@ class NbdistConfig:
     """Seconds for the rank bootstrap (torch import, device pinning, first all_reduce)."""
 
     process_group_timeout: float = 60.0
-    """torch.distributed timeout for collectives (gloo's own default is 30 minutes)."""
+    """torch.distributed timeout for collectives on gloo (gloo's own default is 30 minutes)."""
+
+    nccl_process_group_timeout: float = 1800.0
+    """The same on NCCL, where a timed-out collective aborts the group's communicators: long
+    enough for a pdb session, a checkpoint rank 0 writes alone or a DeepSpeed op build on one
+    rank (docs/NCCL.md)."""
 
     cell_timeout: float | None = None
     """Default deadline for a %%distributed cell in seconds (None: no deadline)."""

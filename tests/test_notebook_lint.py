@@ -24,7 +24,8 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 RANK_HEADER = (
     "import torch\nimport torch.distributed as dist\n\n"
-    "rank = world_size = local_rank = 0\ndevice = torch.device('cpu')\n_injected = (dist, device)\n"
+    "rank = world_size = local_rank = 0\ndevice = torch.device('cpu')\ngpus = []\n"
+    "_injected = (dist, device, gpus)\n"
 )
 # E402: imports follow earlier cells; B018: a cell's last expression is its displayed result;
 # I001: each cell orders its own imports; E731: small lambdas are fine in teaching code.

@@ -5,8 +5,9 @@ A group is torn down only when a peer is really blocked on it: every model that 
 (DDP, FSDP) dies with it, so an ordinary error that every rank raised (a typo) never touches it.
 Measured on gloo: tearing a failed rank's group down releases peers blocked on it at once
 ("Connection closed by peer"). Ranks still busy after that go down the interrupt ladder
-(`nbdist.cells.ladder`). After the cell, a broken group is rebuilt as a new generation on a fresh
-store (gloo), or the user is told to restart (NCCL: PyTorch advises against recovering in-process).
+(`nbdist.cells.ladder`). After the cell, a broken or desynchronised group (the ranks queued
+different numbers of collectives: NCCL returns before a collective ran) is aborted and rebuilt as
+a new generation on a fresh store, on gloo and NCCL alike.
 """
 
 from __future__ import annotations
@@ -19,7 +20,12 @@ from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
 from nbdist.cells.rank_errors import classify_errors
 from nbdist.cells.running import RunningCell, finished_with_error
-from nbdist.cells.whereabouts import blocked_in_collective, cell_reports, telemetry_time
+from nbdist.cells.whereabouts import (
+    blocked_in_collective,
+    cell_reports,
+    desynchronised,
+    telemetry_time,
+)
 from nbdist.cluster.ranks import format_ranks
 
 
@@ -70,7 +76,7 @@ class FaultPolicy:
         backward, whose gradient all-reduce runs in C++). Tearing down makes those peers fail at
         once instead of at the process-group timeout. When every rank raised, or the others are
         still running Python, the group and every model holding it stay exactly as they were.
-        Once per cell, and only on gloo (an NCCL group is never touched in-process)."""
+        Once per cell."""
         if not failed_idle or self.torn_down or not self._recoverable_in_process():
             return False
         return bool(self.blocked_peers())
@@ -123,8 +129,9 @@ class FaultPolicy:
         self.killed.update(outcome.killed)
 
     def _recoverable_in_process(self) -> bool:
-        """Only a gloo group may be torn down and rebuilt inside the engines."""
-        return self.cluster.backend == "gloo"
+        """gloo and NCCL groups are aborted and re-formed inside the engines (NCCL's watchdog
+        returns errors instead of ending them: nbdist.worker.nccl_env)."""
+        return self.cluster.backend in ("gloo", "nccl")
 
     # ---------------------------------------------------------------- after the cell
     def after_cell(self) -> None:
@@ -157,7 +164,7 @@ class FaultPolicy:
         ]
 
     def _recover(self, reports: dict[int, dict[str, Any]], destroyed: list[int]) -> None:
-        """Dead ranks: say how to restart. A broken group: rebuild it (gloo) or say how (NCCL)."""
+        """Dead ranks: say how to restart. A broken or desynchronised group: rebuild it."""
         actions = self.run.result.actions
         cluster = self.cluster
         dead = [p.spec.rank for p in cluster.ranks if p.state == "dead"]
@@ -167,7 +174,8 @@ class FaultPolicy:
                 "a full cluster with the same ranks, new processes and a new process group"
             )
             return
-        if not destroyed and not self._group_broken(reports):
+        out_of_step = desynchronised(reports)
+        if not destroyed and not self._group_broken(reports) and not out_of_step:
             return
         if not self._recoverable_in_process() and not destroyed:
             actions.append(
@@ -177,6 +185,8 @@ class FaultPolicy:
             return
         why = (f"the cell destroyed the process group on rank(s) {format_ranks(destroyed)} "
                "(dist.destroy_process_group()); " if destroyed else "")
+        if out_of_step and not destroyed:
+            why = f"{out_of_step}: the next collective would pair with a stale one; "
         try:
             seconds = cluster.rebuild_process_group()
             actions.append(

@@ -63,3 +63,19 @@ def cell_reports(cluster: ClusterCore, ranks: list[int]) -> dict[int, dict[str, 
         except NbdistError:
             continue
     return gather(asyncs, cluster.config.cell_report_timeout).results
+
+
+def desynchronised(reports: dict[int, dict[str, Any]]) -> str:
+    """Why the ranks' world group is out of step ("" when it is not): their counts of queued
+    collectives differ (per device backend), so the next collective would pair with a stale one.
+    NCCL queues a collective and returns, so a rank that raised after its peers queued one, or
+    before reaching it, finishes its cell without an error of its own."""
+    counts: dict[str, dict[int, int]] = {}
+    for rank, report in sorted(reports.items()):
+        for kind, number in (report.get("sequence") or {}).items():
+            counts.setdefault(kind, {})[rank] = int(number)
+    for kind, by_rank in sorted(counts.items()):
+        if len(set(by_rank.values())) > 1:
+            listed = ", ".join(f"rank {rank}: {number}" for rank, number in by_rank.items())
+            return f"the ranks queued different numbers of {kind} collectives ({listed})"
+    return ""

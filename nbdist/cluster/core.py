@@ -63,7 +63,7 @@ class ClusterCore:
             n=n, gpus_per_rank=gpus_per_rank, threads=threads, config=config, master_addr=master_addr,
             launcher=launcher, launcher_options=launcher_options, profile=profile, interface=interface)
         self.requested_n = n
-        self.requested_backend = validate_backend(backend)
+        self.requested_backend = validate_backend(backend, gpus_per_rank)
         self.gpus_per_rank = gpus_per_rank
         self.requested_threads = threads
         self.interface = interface
@@ -217,6 +217,8 @@ class ClusterCore:
             client, specs, probes, port=port, generation=self.generation, rendezvous=self._rendezvous,
             config=self.config, workdir=self.workdir, requested_threads=self.requested_threads,
             cell_channel=self.cell_channel_address())
+        for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
+            say(f"nbdist: {note}")
         self._write_pidfile()
         rank_setup.freeze_collectors(client, ids, timeout)
 

@@ -22,6 +22,7 @@ from nbdist.cluster.ranks import (
     build_rank_map,
     choose_backend,
     default_threads,
+    disjoint,
 )
 from nbdist.cluster.remote import gather
 from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engine
@@ -74,7 +75,9 @@ def probe_and_plan(client: Any, ids: list[int], requested_backend: str, gpus_per
         raise ClusterStartError(too_old)
     infos = [
         EngineInfo(engine_id=eid, host=probes[eid]["host"], pid=probes[eid]["pid"],
-                   gpu_count=probes[eid]["gpu_count"])
+                   gpu_count=probes[eid]["gpu_count"],
+                   gpu_uuids=tuple(probes[eid].get("gpu_uuids") or ()),
+                   local_id=probes[eid].get("local_id"))
         for eid in ids
     ]
     backend = choose_backend(requested_backend, [i.gpu_count for i in infos], gpus_per_rank)
@@ -86,12 +89,13 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
                 requested_threads: int | None, cell_channel: str | None) -> list[RankProcess]:
     """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
     cwd = os.getcwd()
+    own_cores = cores_of_their_own(specs, probes)
     asyncs = {}
     for spec in specs:
         options = setup_options(
             spec, probes[spec.engine_id], port=port, generation=generation, rendezvous=rendezvous,
             config=config, workdir=workdir, requested_threads=requested_threads, cwd=cwd,
-            cell_channel=cell_channel,
+            cell_channel=cell_channel, own_cores=own_cores[spec.host],
         )
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
             bootstrap.setup_rank, spec_dict(spec), options)
@@ -101,9 +105,11 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
 
 def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
                   rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                  requested_threads: int | None, cwd: str, cell_channel: str | None) -> dict[str, Any]:
+                  requested_threads: int | None, cwd: str, cell_channel: str | None,
+                  own_cores: bool = False) -> dict[str, Any]:
     """What one rank's setup_rank call gets besides its spec."""
-    threads = requested_threads or default_threads(probe["cpu_count"] or 1, spec.local_world_size)
+    threads = requested_threads or default_threads(probe["cpu_count"] or 1,
+                                                   spec.local_world_size, own_cores)
     master_addr = rendezvous.master_addr
     return {
         "env": spec.env(master_addr, port),
@@ -111,7 +117,8 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "cwd": cwd,
         "master_addr": master_addr,
         "port": port,
-        "pg_timeout": config.process_group_timeout,
+        "pg_timeout": (config.nccl_process_group_timeout if spec.backend == "nccl"
+                       else config.process_group_timeout),
         "generation": generation,
         "telemetry_interval": config.telemetry_interval,
         "collective_report_interval": config.collective_report_interval,
@@ -127,6 +134,16 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         # where a local rank sends what its direct cells produce (a loopback socket)
         "cell_channel": cell_channel if is_local_engine(probe) else None,
     }
+
+
+def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[str, bool]:
+    """Host -> whether its engines' CPU affinities are disjoint (a launcher bound each task to
+    its share already: dividing it again by the ranks on the host would starve them)."""
+    by_host: dict[str, list[frozenset[int]]] = {}
+    for spec in specs:
+        cores = frozenset(probes[spec.engine_id].get("cpu_affinity") or ())
+        by_host.setdefault(spec.host, []).append(cores)
+    return {host: len(sets) > 1 and all(sets) and disjoint(sets) for host, sets in by_host.items()}
 
 
 def spec_dict(spec: RankSpec) -> dict[str, Any]:
@@ -151,6 +168,7 @@ def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
             local=is_local_engine(probes[spec.engine_id]),
             release_signal=probes[spec.engine_id].get("release_signal"),
             cell_port=results[spec.engine_id].get("cell_port"),
+            notes=list(results[spec.engine_id].get("notes") or []),
         )
         for spec in specs
     ]

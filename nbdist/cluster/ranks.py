@@ -17,10 +17,16 @@ BACKENDS = ("auto", "nccl", "gloo")
 """The values `backend=` (and `%dist_start --backend`) accept."""
 
 
-def validate_backend(requested: str) -> str:
-    """`requested` if it names a backend nbdist knows, else a clear error."""
+def validate_backend(requested: str, gpus_per_rank: int = 1) -> str:
+    """`requested` if it names a backend nbdist knows and the GPUs per rank allow, else a
+    clear error."""
     if requested not in BACKENDS:
         raise NbdistError(f"--backend {requested!r}: choose auto, nccl or gloo")
+    if requested == "nccl" and gpus_per_rank == 0:
+        raise NbdistError(
+            "--backend nccl with --gpus-per-rank 0: NCCL moves only CUDA tensors, so every rank "
+            "needs a GPU. Use --backend gloo for CPU ranks, or --gpus-per-rank 1 or more."
+        )
     return requested
 
 
@@ -32,6 +38,11 @@ class EngineInfo:
     host: str
     pid: int
     gpu_count: int = 0
+    gpu_uuids: tuple[str, ...] = ()
+    """The GPUs it sees, in its own index order (empty when unknown)."""
+    local_id: int | None = None
+    """Its place among the tasks on its host as the launcher numbered them (SLURM_LOCALID,
+    OMPI_COMM_WORLD_LOCAL_RANK), if any."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +91,7 @@ class RankProcess:
     local: bool = True  # a process on this machine (signalled by PID); else through the controller
     release_signal: int | None = None  # the engine's "fail your blocked collective" signal, if any
     cell_port: int | None = None  # the engine's direct cell channel (nbdist.worker.cell_channel)
+    notes: list[str] = field(default_factory=list)  # what the rank said at setup (kept settings)
 
 
 def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> list[int]:
@@ -146,7 +158,7 @@ def format_ranks(ranks: list[int]) -> str:
 
 def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) -> str:
     """'auto' -> nccl when every rank can have its own GPU(s), else gloo; explicit choices checked."""
-    validate_backend(requested)
+    validate_backend(requested, gpus_per_rank)
     have_gpus = bool(gpu_counts) and all(count > 0 for count in gpu_counts)
     if requested == "nccl" and not have_gpus:
         raise NbdistError(
@@ -188,20 +200,9 @@ def build_rank_map(
     specs: list[RankSpec] = []
     world_size = len(engines)
     for host in hosts:
-        members = sorted(by_host[host], key=lambda e: e.engine_id)
-        for local_rank, engine in enumerate(members):
-            gpus: tuple[int, ...] = ()
-            if use_gpus and gpus_per_rank > 0:
-                needed = len(members) * gpus_per_rank
-                if needed > engine.gpu_count:
-                    raise NbdistError(
-                        f"host {host}: {len(members)} ranks x {gpus_per_rank} GPU(s) per rank "
-                        f"needs {needed} GPUs, but {engine.gpu_count} are visible. "
-                        f"Start fewer ranks (-n {max(engine.gpu_count // gpus_per_rank, 1)}) "
-                        f"or lower --gpus-per-rank."
-                    )
-                first = local_rank * gpus_per_rank
-                gpus = tuple(range(first, first + gpus_per_rank))
+        members = _launch_order(by_host[host])
+        per_rank = _host_gpus(host, members, gpus_per_rank if use_gpus else 0)
+        for local_rank, (engine, gpus) in enumerate(zip(members, per_rank, strict=True)):
             specs.append(
                 RankSpec(
                     rank=len(specs),
@@ -217,6 +218,61 @@ def build_rank_map(
     return specs
 
 
-def default_threads(cpu_count: int, local_world_size: int) -> int:
-    """Cores divided by the ranks on this host, at least one."""
+def _launch_order(members: list[EngineInfo]) -> list[EngineInfo]:
+    """The launcher's own local numbering when every engine has one (Slurm, MPI: DeepSpeed
+    asserts LOCAL_RANK equals it), else the order the engines registered in."""
+    if all(e.local_id is not None for e in members):
+        return sorted(members, key=lambda e: (e.local_id, e.engine_id))
+    return sorted(members, key=lambda e: e.engine_id)
+
+
+def disjoint(sets: list[frozenset[str]] | list[frozenset[int]]) -> bool:
+    """No two of `sets` share a member (each engine has devices or cores of its own)."""
+    seen: set[object] = set()
+    for one in sets:
+        if seen & one:
+            return False
+        seen |= one
+    return True
+
+
+def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tuple[int, ...]]:
+    """Each member's GPUs, as indices it sees. Engines that all see the same GPUs split them:
+    local rank r owns r*k ... r*k+k-1. Engines that see disjoint sets (Slurm --gpus-per-task,
+    cgroup device limits, one MIG instance each) own the first k of their own."""
+    if per_rank == 0:
+        return [() for _ in members]
+    sets = [frozenset(e.gpu_uuids) for e in members]
+    own = len(members) > 1 and all(sets) and disjoint(sets)
+    if own:
+        short = [e for e in members if e.gpu_count < per_rank]
+        if short:
+            raise NbdistError(
+                f"host {host}: each engine sees GPUs of its own, and engine {short[0].engine_id} "
+                f"sees {short[0].gpu_count}, fewer than --gpus-per-rank {per_rank}. Give each "
+                f"task {per_rank} GPU(s) (e.g. --gpus-per-task={per_rank}) or lower --gpus-per-rank."
+            )
+        return [tuple(range(per_rank)) for _ in members]
+    if all(sets) and len(set(sets)) > 1:
+        raise NbdistError(
+            f"host {host}: its engines see different but overlapping sets of GPUs, so nbdist "
+            "cannot tell which GPU is whose. Give every task the same GPUs, or each its own."
+        )
+    needed = len(members) * per_rank
+    visible = min(e.gpu_count for e in members)
+    if needed > visible:
+        raise NbdistError(
+            f"host {host}: {len(members)} ranks x {per_rank} GPU(s) per rank "
+            f"needs {needed} GPUs, but {visible} are visible. "
+            f"Start fewer ranks (-n {max(visible // per_rank, 1)}) "
+            f"or lower --gpus-per-rank."
+        )
+    return [tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(members))]
+
+
+def default_threads(cpu_count: int, local_world_size: int, own_cores: bool = False) -> int:
+    """Cores divided by the ranks on this host, at least one; all of `cpu_count` when each
+    rank's affinity is its own already (Slurm binds each task to its share)."""
+    if own_cores:
+        return max(1, cpu_count)
     return max(1, cpu_count // max(1, local_world_size))

@@ -79,7 +79,10 @@ def _join_together(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int
     for spec in specs:
         options = setup_options(spec, probes[spec.engine_id], port=port, generation=generation,
                                 rendezvous=cluster._rendezvous, config=config,
-                                workdir=cluster.workdir, requested_threads=cluster.requested_threads,
+                                workdir=cluster.workdir,
+                                # the rank it replaces had its host's share worked out already
+                                requested_threads=(cluster.requested_threads
+                                                   or cluster.ranks[spec.rank].threads),
                                 cwd=os.getcwd(), cell_channel=cluster.cell_channel_address())
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
             bootstrap.setup_rank, spec_dict(spec), options)

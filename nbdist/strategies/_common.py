@@ -31,10 +31,20 @@ DEEPSPEED_MISSING = (
 )
 
 
+RANK_DEVICE_VAR = "NBDIST_DEVICE"
+"""Set by an nbdist rank to its own device; the same name as nbdist.worker.bootstrap's."""
+
+
 def rank_device() -> torch.device:
-    """The device this rank computes on: its current CUDA device, else the CPU."""
+    """The device this rank computes on: the one nbdist pinned it to (a CPU rank on a GPU host
+    stays on the CPU); outside nbdist (torchrun) its current CUDA device, else the CPU."""
+    import os
+
     import torch
 
+    pinned = os.environ.get(RANK_DEVICE_VAR)
+    if pinned:
+        return torch.device(pinned)
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

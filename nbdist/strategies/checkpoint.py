@@ -86,7 +86,7 @@ def _dcp_full_state(source: Path) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as scratch:
         flat = Path(scratch) / "full.pt"
         dcp_to_torch_save(str(source), str(flat))
-        return torch.load(flat, weights_only=False)
+        return torch.load(flat, map_location="cpu", weights_only=False)
 
 
 def _deepspeed_full_state(source: Path) -> dict[str, Any]:
@@ -99,7 +99,9 @@ def _deepspeed_full_state(source: Path) -> dict[str, Any]:
 
         state = get_fp32_state_dict_from_zero_checkpoint(str(source), tag=tag)
     else:  # ZeRO stage 0 keeps the whole module in the model-states file
-        state = torch.load(next(folder.glob("mp_rank_*_model_states.pt")), weights_only=False)["module"]
+        # saved from GPU ranks, its tensors would otherwise come back on CUDA, here too
+        state = torch.load(next(folder.glob("mp_rank_*_model_states.pt")), map_location="cpu",
+                           weights_only=False)["module"]
     return {name: tensor.clone() if hasattr(tensor, "clone") else tensor for name, tensor in state.items()}
 
 

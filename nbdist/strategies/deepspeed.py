@@ -115,8 +115,31 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any
     apply_activation_checkpointing(model, opts.activation_checkpointing)
     if opts.config is None and opts.mixed_precision is not None:
         _cast_float_inputs(model, config)
-    engine, ds_optimizer, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config)
+    args = device_args(int(config.get("zero_optimization", {}).get("stage", 0)))
+    engine, ds_optimizer, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config,
+                                               args=args)
     return engine, ds_optimizer
+
+
+def device_args(zero_stage: int) -> Any:
+    """DeepSpeed's ``args`` naming the rank's own GPU (its engine otherwise takes LOCAL_RANK as
+    the device index: wrong with several GPUs per rank or one visible GPU per task); None on CPU.
+    """
+    import os
+    from types import SimpleNamespace
+
+    device = rank_device()
+    if device.type != "cuda" or device.index is None:
+        return None
+    local_rank = os.environ.get("LOCAL_RANK")
+    if zero_stage == 3 and local_rank is not None and int(local_rank) != device.index:
+        # ZeRO-3's parameter partitioning places the gathered parameters on cuda:LOCAL_RANK
+        raise StrategyOptionError(
+            f"zero_stage=3 puts parameters on cuda:LOCAL_RANK (cuda:{local_rank}), but this "
+            f"rank computes on {device}. Start one GPU per rank (--gpus-per-rank 1) with every "
+            "GPU visible to every rank, or use zero_stage=2 or strategy='fsdp'."
+        )
+    return SimpleNamespace(device_rank=device.index)
 
 
 def import_deepspeed() -> Any:

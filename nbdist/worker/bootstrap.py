@@ -14,6 +14,7 @@ from typing import Any
 
 from nbdist.worker import (
     collectives,
+    devices,
     net,
     process_group,
     profiling,
@@ -27,6 +28,8 @@ from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
+from nbdist.worker.nccl_env import nccl_environment
+from nbdist.worker.values import move_tensors
 
 
 @dataclass
@@ -40,6 +43,9 @@ class RankRuntime:
 
 RUNTIME = RankRuntime()
 
+RANK_DEVICE_VAR = "NBDIST_DEVICE"
+"""The rank's own device ("cuda:3", "cpu"), for nbdist.strategies in this process."""
+
 LOCAL_SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 """Where gloo, NCCL and TensorPipe (torch.distributed.rpc) open their sockets."""
 
@@ -52,6 +58,7 @@ def probe(peer: str | None = None) -> dict[str, Any]:
 
     me = psutil.Process()
     gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     route_address, route_interface = net.route_to(peer) if peer else (None, None)
     return {
         "boot_id": net.boot_id(),
@@ -63,7 +70,10 @@ def probe(peer: str | None = None) -> dict[str, Any]:
         "create_time": me.create_time(),
         "children": [(c.pid, c.create_time()) for c in me.children(recursive=True)],
         "gpu_count": gpu_count,
-        "cpu_count": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "gpu_uuids": devices.gpu_uuids(gpu_count),
+        "local_id": devices.launcher_local_id(os.environ),
+        "cpu_count": len(affinity) or os.cpu_count(),
+        "cpu_affinity": affinity,
         "torch": str(torch.__version__),  # a TorchVersion would import torch in the notebook (2 s)
         "python": sys.executable,
         "release_signal": int(release.RELEASE_SIGNAL) if release.INSTALLED else None,
@@ -76,6 +86,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
 
     RUNTIME.spec = dict(spec)
     threads = _apply_environment(options)
+    notes = _apply_nccl_environment() if spec["backend"] == "nccl" else []
     device = _pin_device(spec, options)
     shell = get_ipython()
     _define_names(shell, spec, device)
@@ -100,7 +111,15 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "pg_seconds": init["seconds"],
         "memory_limit": memory_limit,
         "cell_port": cell_port,
+        "notes": notes,
     }
+
+
+def _apply_nccl_environment() -> list[str]:
+    """Errors instead of process exits from NCCL's watchdog (nbdist.worker.nccl_env)."""
+    to_set, notes = nccl_environment(os.environ)
+    os.environ.update(to_set)
+    return notes
 
 
 def _apply_environment(options: dict[str, Any]) -> int:
@@ -128,6 +147,8 @@ def _pin_device(spec: dict[str, Any], options: dict[str, Any]) -> Any:
         device = torch.device("cuda", gpus[0])
     else:
         device = torch.device("cpu")
+    # nbdist.prepare() computes here too: a CPU rank on a GPU host must not land on cuda:0
+    os.environ[RANK_DEVICE_VAR] = str(device)
     if options.get("socket_ifname"):
         # a local cluster: gloo, NCCL's bootstrap and TensorPipe (rpc) would otherwise listen on
         # the interface the host name resolves to, or the first non-loopback one (NCCL); a name
@@ -153,6 +174,7 @@ def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
         world_size=spec["world_size"],
         local_rank=spec["local_rank"],
         device=device,
+        gpus=[torch.device("cuda", index) for index in spec["gpus"]],
         dist=dist,
         torch=torch,
     )
@@ -188,7 +210,7 @@ def _join_generation(generation: int, master_addr: str, port: int,
         rank=spec["rank"],
         world_size=spec["world_size"],
         timeout_s=RUNTIME.pg_timeout,
-        gpu=gpus[0] if gpus else None,
+        gpus=gpus,
         generation=generation,
         store_path=store_path,
     )
@@ -258,6 +280,7 @@ def cell_report() -> dict[str, Any]:
         "pg_initialized": process_group.is_initialized(),
         "group_broken": tracker.group_broken,
         "generation": RUNTIME.generation,
+        "sequence": process_group.sequence_numbers(),
     }
 
 
@@ -266,7 +289,8 @@ def receive_values(values: dict[str, Any]) -> list[str]:
     from IPython import get_ipython
 
     device = get_ipython().user_ns.get("device")
-    moved = {name: _to_device(value, device) for name, value in values.items()}
+    moved = {name: value if device is None else move_tensors(value, device)
+             for name, value in values.items()}
     get_ipython().user_ns.update(moved)
     return sorted(moved)
 
@@ -279,23 +303,7 @@ def send_values(names: list[str]) -> dict[str, Any]:
     missing = [name for name in names if name not in namespace]
     if missing:
         raise NameError(f"not defined on this rank: {', '.join(missing)}")
-    return {name: _to_device(namespace[name], "cpu") for name in names}
-
-
-def _to_device(value: Any, device: Any) -> Any:
-    try:
-        import torch
-    except ImportError:  # pragma: no cover
-        return value
-    if device is None:
-        return value
-    if isinstance(value, torch.Tensor):
-        return value.detach().to(device) if value.device != torch.device(device) else value
-    if isinstance(value, dict):
-        return type(value)((k, _to_device(v, device)) for k, v in value.items())
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
+    return {name: move_tensors(namespace[name], "cpu") for name in names}
 
 
 def shutdown_rank() -> None:

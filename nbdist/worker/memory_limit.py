@@ -7,8 +7,9 @@ the shared libraries or the PROT_NONE reservations glibc makes per thread, which
 measured in an nbdist rank after `import torch` and the gloo group, VmSize is ~1.4 GiB, VmData
 ~0.3 GiB and VmRSS ~0.25 GiB (numbers and the choice: docs/FAULTS.md). An allocation past
 it fails where it is made: MemoryError, or torch's "DefaultCPUAllocator: can't allocate memory".
-GPU: `torch.cuda.set_per_process_memory_fraction` caps torch's CUDA allocator at the budget (the
-CUDA context is not counted, like the CPU baseline).
+GPU: `torch.cuda.set_per_process_memory_fraction` caps what torch's CUDA caching allocator
+reserves (its cached blocks count, not only live tensors) at the budget. Outside it: the CUDA
+context, and NCCL's own buffers (cudaMalloc'd by NCCL, not through torch's allocator).
 """
 
 from __future__ import annotations
@@ -73,13 +74,14 @@ def _cap_cuda(limit: int, device: Any) -> dict[str, Any]:
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     STATE.clear()
     STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, fraction=fraction,
-                 total=total)
+                 total=total, device=str(device))
     return dict(STATE)
 
 
 def memory_budget() -> dict[str, Any]:
     """This rank's budget now: the limit, and how much of it is in use (CPU: VmData beyond the
-    start-up baseline; GPU: torch.cuda.memory_allocated)."""
+    start-up baseline; GPU: torch.cuda.memory_reserved, what the cap counts, with
+    ``allocated`` beside it)."""
     if not STATE:
         return {"limit": None, "in_use": None}
     if STATE["mechanism"] == "RLIMIT_DATA":
@@ -87,7 +89,10 @@ def memory_budget() -> dict[str, Any]:
     else:
         import torch
 
-        in_use = torch.cuda.memory_allocated()
+        device = STATE["device"]
+        return {"limit": STATE["limit"], "in_use": torch.cuda.memory_reserved(device),
+                "allocated": torch.cuda.memory_allocated(device),
+                "mechanism": STATE["mechanism"]}
     return {"limit": STATE["limit"], "in_use": in_use, "mechanism": STATE["mechanism"]}
 
 

@@ -1,7 +1,8 @@
 """Per-rank memory samples for the dashboard: CUDA allocator + NVML on GPU, heap/RSS/peak on CPU.
 
 Registered as the telemetry agent's ``"memory"`` provider, so it runs on the telemetry thread every
-tick and at each cell's start and end; the peak is reset at the start of every cell.
+tick and at each cell's start and end. The per-cell peak on GPU is nbdist's own: torch's peak
+counters stay the user's (``torch.cuda.max_memory_allocated()`` counts from where they reset it).
 """
 
 from __future__ import annotations
@@ -93,28 +94,29 @@ class MemorySampler:
         self._mallinfo2 = _load_mallinfo2() if self.kind == "cpu" else None
         self._can_clear_refs = True
         self._sampled_peak = 0
+        self._torch_peak_at_start = 0
+        self._device_extras: dict[str, Any] = {}
         self._nvml: Any = None
         self._nvml_handle: Any = None
         self._nvml_tried = False
 
     # -- providers -----------------------------------------------------------------------------
     def sample(self, cell: int | None = None) -> dict[str, Any]:
+        """One sample. On the main thread (a cell's start and end) a GPU sample is the
+        allocator's counters only: the driver and NVML calls are left to the telemetry thread."""
         with self._lock:  # the agent may collect from the main thread and its own at once
-            if cell is not None and cell != self._cell:
+            new_cell = cell is not None and cell != self._cell
+            if new_cell:
                 self._cell = cell
-                if self.reset_peak_per_cell:
-                    self._reset_peak()
+                if self.reset_peak_per_cell and self.kind == "cpu":
+                    self._reset_cpu_peak()
             if self.kind == "cuda":
-                return self._sample_cuda()
+                light = threading.current_thread() is threading.main_thread()
+                return self._sample_cuda(new_cell and self.reset_peak_per_cell, light)
             return self._sample_cpu()
 
-    def _reset_peak(self) -> None:
+    def _reset_cpu_peak(self) -> None:
         self._sampled_peak = 0
-        if self.kind == "cuda":
-            import torch
-
-            torch.cuda.reset_peak_memory_stats(self.device)
-            return
         if self._can_clear_refs:
             try:
                 # "5" resets VmHWM to the current RSS (Linux >= 4.0); no other side effect
@@ -149,28 +151,38 @@ class MemorySampler:
             "heap_source": heap_source,
         }
 
-    def _sample_cuda(self) -> dict[str, Any]:
+    def _sample_cuda(self, cell_start: bool, light: bool) -> dict[str, Any]:
         import torch
 
         device = self.device
         if self._capacity is None:
             self._capacity = int(torch.cuda.get_device_properties(device).total_memory)
-        free, total = torch.cuda.mem_get_info(device)
         stats = torch.cuda.memory_stats(device)
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        torch_peak = int(stats.get("allocated_bytes.all.peak", 0))
+        if cell_start:
+            # the cell's peak: what is allocated now, what the samples see, and torch's own peak
+            # once the cell pushes it past where it stood when the cell began
+            self._sampled_peak, self._torch_peak_at_start = allocated, torch_peak
+        self._sampled_peak = max(self._sampled_peak, allocated)
+        peak = torch_peak if torch_peak > self._torch_peak_at_start else self._sampled_peak
         sample: dict[str, Any] = {
             "kind": "cuda",
             "device": str(device),
-            "allocated": int(stats.get("allocated_bytes.all.current", 0)),
+            "allocated": allocated,
             "reserved": int(stats.get("reserved_bytes.all.current", 0)),
-            "peak": int(stats.get("allocated_bytes.all.peak", 0)),
-            "capacity": int(total),
-            "device_used": int(total - free),  # every process on the card, CUDA contexts included
+            "peak": peak,
+            "capacity": self._capacity,
             "alloc_retries": int(stats.get("num_alloc_retries", 0)),
             "inactive_split": int(stats.get("inactive_split_bytes.all.current", 0)),
         }
-        nvml = self._nvml_sample()
-        if nvml:
-            sample.update(nvml)
+        if light:
+            sample.update(self._device_extras)  # the telemetry thread's latest
+            return sample
+        free, total = torch.cuda.mem_get_info(device)
+        # every process on the card, CUDA contexts included
+        self._device_extras = {"device_used": int(total - free), **(self._nvml_sample() or {})}
+        sample.update(self._device_extras)
         return sample
 
     # -- NVML (optional) -----------------------------------------------------------------------
@@ -197,6 +209,27 @@ class MemorySampler:
             return None
 
 
+def nvml_uuids(torch_uuid: str) -> list[str]:
+    """The names NVML may know this device by: torch prints a UUID bare, NVML prefixes a whole
+    GPU's with "GPU-" and a MIG instance's with "MIG-"."""
+    bare = torch_uuid.strip()
+    for prefix in ("GPU-", "MIG-"):
+        if bare.startswith(prefix):
+            return [bare]
+    return [f"GPU-{bare}", f"MIG-{bare}"] if bare else []
+
+
+def physical_index(index: int, visible: str | None) -> int | None:
+    """NVML's index of torch's device `index` under CUDA_VISIBLE_DEVICES `visible`; None when
+    the list names devices by UUID (or MIG instance): no index can be trusted then."""
+    ids = [part.strip() for part in (visible or "").split(",") if part.strip()]
+    if not ids:
+        return index
+    if index >= len(ids) or not all(part.isdigit() for part in ids):
+        return None
+    return int(ids[index])
+
+
 def _open_nvml(device: Any) -> tuple[Any, Any]:
     try:
         import pynvml  # provided by nvidia-ml-py
@@ -208,20 +241,16 @@ def _open_nvml(device: Any) -> tuple[Any, Any]:
         index = torch.device(device).index or 0
         # torch indexes are relative to CUDA_VISIBLE_DEVICES; NVML's are physical: match by UUID
         uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
-        if uuid:
-            target = uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
-            try:
-                return pynvml, pynvml.nvmlDeviceGetHandleByUUID(target.encode())
-            except Exception:
+        for name in nvml_uuids(uuid):
+            for form in (name.encode(), name):  # older bindings want bytes
                 try:
-                    return pynvml, pynvml.nvmlDeviceGetHandleByUUID(target)
+                    return pynvml, pynvml.nvmlDeviceGetHandleByUUID(form)
                 except Exception:
-                    pass
-        visible = os.environ.get("CUDA_VISIBLE_DEVICES", "")
-        ids = [part.strip() for part in visible.split(",") if part.strip()]
-        if ids and ids[index].isdigit():
-            index = int(ids[index])
-        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(index)
+                    continue
+        physical = physical_index(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if physical is None:
+            return None, None  # better no NVML figures than another GPU's
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(physical)
     except Exception:
         return None, None
 

@@ -54,8 +54,8 @@ def log(step: int | float | None = None, **metrics: Any) -> None:
 
     ``step`` defaults to one past the previous step this rank logged. Values may be Python or
     NumPy numbers or one-element tensors. A CUDA tensor is *not* synchronised here: it is copied
-    to pinned host memory asynchronously and read by the telemetry thread once its CUDA event has
-    completed, so ``nbdist.log(loss=loss)`` does not stall the training loop the way
+    to host memory asynchronously and read by the telemetry thread once its CUDA event has
+    completed (a later publish carries it if it has not yet), so ``nbdist.log(loss=loss)`` does not stall the training loop the way
     ``loss.item()`` does. Anything else (strings, multi-element tensors) is skipped, and the
     first offence per name is reported in the payload's ``"rejected"`` field.
 
@@ -91,6 +91,8 @@ def _capture(name: str, value: Any) -> Any:
         return value
     if isinstance(value, numbers.Real):
         return float(value)
+    if isinstance(value, PendingValue):
+        return value
     item = getattr(value, "item", None)
     if item is None:
         _reject(name, type(value).__name__)
@@ -109,7 +111,19 @@ def _reject(name: str, why: str) -> None:
         _BUFFER.rejected.setdefault(name, why)
 
 
-class _PendingCuda:
+class PendingValue:
+    """A logged value not readable yet; a drain sends it once `ready()`, never waiting for it."""
+
+    __slots__ = ()
+
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def value(self) -> float:
+        raise NotImplementedError
+
+
+class _PendingCuda(PendingValue):
     """A CUDA scalar on its way to the host: async copy now, read when its event has fired."""
 
     __slots__ = ("host", "event")
@@ -122,9 +136,26 @@ class _PendingCuda:
         self.event = torch.cuda.Event()
         self.event.record()
 
-    def resolve(self) -> float:
-        self.event.synchronize()  # on the telemetry thread: the training thread never waits
+    def ready(self) -> bool:
+        # query, never synchronize: behind a stuck collective the event may never fire, and the
+        # drain runs under the agent's publish lock
+        return bool(self.event.query())
+
+    def value(self) -> float:
         return float(self.host.item())
+
+
+def _ready_prefix(records: list[_Record]) -> int:
+    """How many records from the front can be sent now: up to the first with a value pending."""
+    for index, (_t, _step, _names, values) in enumerate(records):
+        for value in values:
+            if isinstance(value, PendingValue):
+                try:
+                    if not value.ready():
+                        return index
+                except Exception:
+                    continue  # a failed event: sent as a gap (None)
+    return len(records)
 
 
 def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
@@ -141,6 +172,10 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
             records.append(pop())
         except IndexError:
             break
+    ready = _ready_prefix(records)
+    # the rest wait for the next drain, in order, ahead of anything logged meanwhile
+    buffer.records.extendleft(reversed(records[ready:]))
+    records = records[:ready]
     if not records:
         return None
     dropped = 0
@@ -158,9 +193,9 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
         times.append(t)
         steps.append(step)
         for name, value in zip(names, values, strict=False):
-            if isinstance(value, _PendingCuda):
+            if isinstance(value, PendingValue):
                 try:
-                    value = value.resolve()
+                    value = value.value()
                 except Exception:
                     value = None
             column = columns.get(name)

@@ -20,7 +20,7 @@ def init_generation(
     rank: int,
     world_size: int,
     timeout_s: float,
-    gpu: int | None,
+    gpus: list[int],
     generation: int,
     store_path: str | None = None,
 ) -> dict[str, Any]:
@@ -39,8 +39,10 @@ def init_generation(
     os.environ["MASTER_ADDR"] = master_addr
     os.environ["MASTER_PORT"] = str(port)
     kwargs: dict[str, Any] = {}
-    if backend == "nccl" and gpu is not None:
-        kwargs["device_id"] = torch.device("cuda", gpu)
+    if backend == "nccl" and len(gpus) == 1:
+        # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be
+        # free to run collectives on any of them
+        kwargs["device_id"] = torch.device("cuda", gpus[0])
     if store_path is not None:
         # torch creates the file with the rank's umask (the user's: often world-readable);
         # created first, owner-only, it keeps that mode
@@ -50,13 +52,13 @@ def init_generation(
         kwargs["store"] = _tcp_store(master_addr, port, rank, world_size, timeout_s)
     # torch's own function: `dist.init_process_group` is the cells' wrapper (script_calls)
     distributed_c10d.init_process_group(
-        backend=backend,
+        backend=torch_backend(backend),
         rank=rank,
         world_size=world_size,
         timeout=datetime.timedelta(seconds=timeout_s),
         **kwargs,
     )
-    check = torch.ones(1, device=f"cuda:{gpu}" if backend == "nccl" else "cpu") * (rank + 1)
+    check = torch.ones(1, device=f"cuda:{gpus[0]}" if backend == "nccl" else "cpu") * (rank + 1)
     dist.all_reduce(check)
     release.record_group_sockets(sockets_before)
     expected = world_size * (world_size + 1) / 2
@@ -66,6 +68,34 @@ def init_generation(
             f"expected {expected}"
         )
     return {"generation": generation, "seconds": time.perf_counter() - started}
+
+
+def torch_backend(backend: str) -> str:
+    """The backend string torch gets: an NCCL rank also has gloo for its CPU tensors (plain
+    "nccl" maps only cuda, and a collective on a CPU tensor then has no backend at all)."""
+    return "cpu:gloo,cuda:nccl" if backend == "nccl" else backend
+
+
+def sequence_numbers() -> dict[str, int]:
+    """Device type -> how many collectives this rank has queued on the world group's backend
+    for it (NCCL counts at enqueue, before the collective ran). Equal on every rank between
+    cells unless one rank queued a collective its peers never reached."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return {}
+    group = distributed_c10d._get_default_group()
+    found: dict[str, int] = {}
+    for device in dist.get_backend_config().split(","):
+        kind = device.split(":")[0].strip()
+        try:
+            backend = group._get_backend(torch.device(kind))
+            found[kind] = int(backend._get_sequence_number_for_group())
+        except (RuntimeError, ValueError):
+            continue
+    return found
 
 
 def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
@@ -97,7 +127,9 @@ def teardown() -> bool:
 
     destroy alone is not enough: a failed cell's traceback or a DDP model keeps the group's
     objects (and so its sockets) alive, and peers stay blocked; gloo's abort does not close them
-    either. So the group's sockets are shut down first (nbdist.worker.release).
+    either. So the group's sockets are shut down too (nbdist.worker.release): before the abort
+    on gloo, after it on NCCL, whose proxy must see its communicator aborted, not its sockets
+    fail under it.
     """
     import gc
     import sys
@@ -110,13 +142,17 @@ def teardown() -> bool:
     if not dist.is_available() or not dist.is_initialized():
         release.forget_group_sockets()
         return False
-    release.shutdown_group_sockets()  # peers fail now, whatever still references the group
-    release.forget_group_sockets()
+    nccl = release.uses_nccl(dist.get_backend())
+    if not nccl:
+        release.shutdown_group_sockets()  # peers fail now, whatever still references the group
     _drop_last_traceback()
     try:
         distributed_c10d._abort_process_group()
     except Exception:
         pass
+    if nccl:
+        release.shutdown_group_sockets()  # the group's gloo half (CPU tensors)
+    release.forget_group_sockets()
     try:
         distributed_c10d.destroy_process_group()
     except Exception:

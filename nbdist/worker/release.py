@@ -5,7 +5,8 @@ Python runs signal handlers only between bytecodes of the main thread. So an nbd
 one more signal, ``RELEASE_SIGNAL`` (SIGUSR2), blocked in every thread but one that waits for it.
 On that signal the thread makes the blocked collective fail:
 
-- NCCL: ``_abort_process_group()``, which is what it is for.
+- NCCL: ``_abort_process_group()``, which is what it is for; then the sockets of the group's
+  gloo half (its CPU tensors), as below.
 - gloo: its abort does not wake a waiting op (measured, torch 2.13), so the group's own connected
   sockets, recorded when the generation was created, are shut down; the op then fails with
   "Connection closed by peer". Listening sockets are left alone: gloo aborts the process if its
@@ -82,15 +83,20 @@ def forget_group_sockets() -> None:
     _GROUP_SOCKETS.clear()
 
 
+def uses_nccl(backend: str) -> bool:
+    """`backend` (as dist.get_backend() says it: "nccl", "cpu:gloo,cuda:nccl") runs NCCL."""
+    return any(part.split(":")[-1].strip() == "nccl" for part in str(backend).split(","))
+
+
 def release_now() -> int:
     """Make a collective blocked on this rank fail; returns how many sockets were shut down."""
     try:
         import torch.distributed as dist
         from torch.distributed import distributed_c10d
 
-        if dist.is_available() and dist.is_initialized() and dist.get_backend() == "nccl":
+        if dist.is_available() and dist.is_initialized() and uses_nccl(dist.get_backend()):
+            # aborted first: NCCL's proxy must not see its sockets fail under a live communicator
             distributed_c10d._abort_process_group()
-            return 0
     except Exception:
         pass
     return shutdown_group_sockets()

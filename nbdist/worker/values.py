@@ -1,0 +1,105 @@
+"""Values crossing between the notebook and a rank (%dist_push, %dist_pull): every tensor
+inside them moved to one device, wherever it sits (dicts, lists, namedtuples, dataclasses,
+attributes of any picklable object)."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+import types
+from typing import Any
+
+
+def move_tensors(value: Any, device: Any) -> Any:
+    """`value` with every tensor in it on `device` (a copy where any had to move). A tensor
+    left on CUDA inside a pulled object would initialise CUDA in the notebook, or fail there."""
+    import torch
+
+    target = torch.device(device)
+    if isinstance(value, torch.Tensor):
+        return _moved(value, target)
+    if not _holds_tensor_elsewhere(value, target):
+        return value
+    buffer = io.BytesIO()
+    try:
+        _MovingPickler(buffer, target).dump(value)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        # a class defined in a cell or a lambda inside: not picklable by reference here
+        return _walk(value, target, {})
+    return pickle.loads(buffer.getvalue())
+
+
+_NOT_COPIED = (type, types.FunctionType, types.MethodType, types.BuiltinFunctionType,
+               types.ModuleType)
+
+
+def _walk(value: Any, target: Any, memo: dict[int, Any]) -> Any:
+    """`value` rebuilt with its tensors moved: containers by type, other objects copied with
+    their attributes walked (what the pickler could not do)."""
+    import torch
+
+    if id(value) in memo:
+        return memo[id(value)]
+    if isinstance(value, torch.Tensor):
+        moved = _moved(value, target)
+        if isinstance(value, torch.nn.Parameter) and moved is not value:
+            moved = _parameter(moved, value.requires_grad)
+    elif type(value) is dict:
+        moved = {key: _walk(item, target, memo) for key, item in value.items()}
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        moved = type(value)(*(_walk(item, target, memo) for item in value))
+    elif type(value) in (list, tuple, set, frozenset):
+        moved = type(value)(_walk(item, target, memo) for item in value)
+    elif hasattr(value, "__dict__") and not isinstance(value, _NOT_COPIED):
+        moved = copy.copy(value)
+        for name, item in vars(value).items():
+            object.__setattr__(moved, name, _walk(item, target, memo))
+    else:
+        moved = value
+    memo[id(value)] = moved
+    return moved
+
+
+def _moved(tensor: Any, target: Any) -> Any:
+    return tensor if tensor.device == target else tensor.detach().to(target)
+
+
+def _holds_tensor_elsewhere(value: Any, target: Any) -> bool:
+    """A cheap first look: plain numbers, strings and containers of them need no copy."""
+    import torch
+
+    if isinstance(value, (str, bytes, int, float, bool, type(None))):
+        return False
+    if isinstance(value, torch.Tensor):
+        return value.device != target
+    if isinstance(value, dict) and not type(value).__module__.startswith("collections"):
+        return any(_holds_tensor_elsewhere(v, target) for v in value.values())
+    if type(value) in (list, tuple, set, frozenset):
+        return any(_holds_tensor_elsewhere(v, target) for v in value)
+    return True  # an object, a namedtuple, a dataclass: let the pickler look inside
+
+
+class _MovingPickler(pickle.Pickler):
+    def __init__(self, file: io.BytesIO, target: Any) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.target = target
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.nn.Parameter) and obj.device != self.target:
+            return _parameter, (_moved(obj, self.target), obj.requires_grad)
+        if isinstance(obj, torch.Tensor) and obj.device != self.target:
+            return _identity, (_moved(obj, self.target),)
+        return NotImplemented
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def _parameter(data: Any, requires_grad: bool) -> Any:
+    import torch
+
+    return torch.nn.Parameter(data, requires_grad=requires_grad)

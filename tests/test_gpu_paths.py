@@ -1,0 +1,215 @@
+"""The logic of nbdist's CUDA and NCCL paths that runs without a GPU: pure functions over probe
+data, and gloo where the same rule holds (mixed backend strings, collective sequence numbers).
+tests/test_gpu.py proves the same paths on a CUDA machine."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+from torch.distributed.distributed_c10d import Backend, BackendConfig
+
+from nbdist import Cluster
+from nbdist.cells.whereabouts import desynchronised
+from nbdist.cluster.rank_setup import cores_of_their_own
+from nbdist.cluster.ranks import (
+    EngineInfo,
+    RankSpec,
+    build_rank_map,
+    default_threads,
+    validate_backend,
+)
+from nbdist.errors import NbdistError
+from nbdist.strategies import deepspeed as deepspeed_strategy
+from nbdist.strategies._common import RANK_DEVICE_VAR, StrategyOptionError, rank_device
+from nbdist.worker import metrics
+from nbdist.worker.agent import TelemetryAgent
+from nbdist.worker.devices import launcher_local_id
+from nbdist.worker.memory_sampler import nvml_uuids, physical_index
+from nbdist.worker.nccl_env import NCCL_ENVIRONMENT, nccl_environment
+from nbdist.worker.process_group import torch_backend
+from nbdist.worker.release import uses_nccl
+from nbdist.worker.values import move_tensors
+
+
+# -- 1. the NCCL world group has a CPU backend ---------------------------------------------------
+def test_an_nccl_rank_gets_gloo_for_cpu_tensors() -> None:
+    assert BackendConfig(Backend("nccl")).get_device_backend_map() == {"cuda": "nccl"}  # the bug
+    mapped = BackendConfig(Backend(torch_backend("nccl"))).get_device_backend_map()
+    assert mapped == {"cpu": "gloo", "cuda": "nccl"}
+    assert torch_backend("gloo") == "gloo"
+    assert uses_nccl("nccl") and uses_nccl("cpu:gloo,cuda:nccl")
+    assert not uses_nccl("gloo") and not uses_nccl("cpu:gloo,cuda:gloo")
+
+
+# -- 2. collectives queued unequally: the group is rebuilt ---------------------------------------
+def test_desynchronised_names_the_counts() -> None:
+    same = {0: {"sequence": {"cpu": 4, "cuda": 9}}, 1: {"sequence": {"cpu": 4, "cuda": 9}}}
+    assert desynchronised(same) == ""
+    assert desynchronised({0: {}, 1: {"sequence": {}}}) == ""
+    apart = {0: {"sequence": {"cpu": 4, "cuda": 10}}, 1: {"sequence": {"cpu": 4, "cuda": 9}}}
+    assert desynchronised(apart) == (
+        "the ranks queued different numbers of cuda collectives (rank 0: 10, rank 1: 9)")
+
+
+def test_a_collective_only_one_rank_queued_is_not_paired_with_the_next(cluster2: Cluster) -> None:
+    # gloo queues an async_op collective and returns, as NCCL does every collective: rank 0 is
+    # "ok" with one queued, rank 1 raised before reaching it
+    cluster2.run("t = torch.ones(1)").raise_for_errors()
+    code = ("if rank == 0:\n    work = dist.all_reduce(t, async_op=True)\n"
+            "else:\n    raise ValueError('rank 1 stopped before the all_reduce')\n")
+    result = cluster2.run(code, timeout=60)
+    assert sorted(result.errors) == [1]
+    assert any("queued different numbers of cpu collectives (rank 0:" in a and "rebuilt" in a
+               for a in result.actions), result.actions
+    check = cluster2.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nfloat(t)",
+                         timeout=60).raise_for_errors()
+    assert check.grouped_values() == [([0, 1], "3.0")]
+
+
+# -- 3. NCCL's watchdog returns errors; the user's settings win ----------------------------------
+def test_nccl_environment_keeps_what_the_user_set() -> None:
+    to_set, notes = nccl_environment({})
+    assert to_set == NCCL_ENVIRONMENT and notes == []
+    assert to_set["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # CleanUpOnly: no process exit
+    mine = {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "3", "TORCH_NCCL_ENABLE_MONITORING": "0"}
+    to_set, notes = nccl_environment(mine)
+    assert "TORCH_NCCL_ASYNC_ERROR_HANDLING" not in to_set
+    assert "TORCH_NCCL_ENABLE_MONITORING" not in to_set  # same value: set, nothing to say
+    assert notes == ["TORCH_NCCL_ASYNC_ERROR_HANDLING=3 is yours and kept (nbdist would set 2: "
+                     "see docs/NCCL.md)"]
+
+
+# -- 5. per-task GPUs (Slurm --gpus-per-task, cgroups, MIG) and launcher order -------------------
+def _engine(eid: int, uuids: tuple[str, ...], local_id: int | None = None) -> EngineInfo:
+    return EngineInfo(eid, "node1", 100 + eid, len(uuids), uuids, local_id)
+
+
+def test_engines_that_each_see_their_own_gpu_use_it() -> None:
+    engines = [_engine(eid, (f"GPU-{eid}",)) for eid in range(4)]
+    specs = build_rank_map(engines, "nccl", 1)
+    assert [s.gpus for s in specs] == [(0,)] * 4  # each its own index 0, not "needs 4 GPUs"
+    shared = [_engine(eid, ("GPU-a", "GPU-b")) for eid in range(2)]
+    assert [s.gpus for s in build_rank_map(shared, "nccl", 1)] == [(0,), (1,)]
+    with pytest.raises(NbdistError, match="fewer than --gpus-per-rank 2"):
+        build_rank_map(engines, "nccl", 2)
+    overlapping = [_engine(0, ("GPU-a", "GPU-b")), _engine(1, ("GPU-b", "GPU-c"))]
+    with pytest.raises(NbdistError, match="overlapping"):
+        build_rank_map(overlapping, "nccl", 1)
+
+
+def test_ranks_follow_the_launchers_local_ids() -> None:
+    engines = [_engine(0, ("GPU-a", "GPU-b"), 1), _engine(1, ("GPU-a", "GPU-b"), 0)]
+    specs = build_rank_map(engines, "nccl", 1)
+    assert [(s.engine_id, s.local_rank, s.gpus) for s in specs] == [(1, 0, (0,)), (0, 1, (1,))]
+    assert launcher_local_id({"SLURM_LOCALID": "3"}) == 3
+    assert launcher_local_id({"OMPI_COMM_WORLD_LOCAL_RANK": "1"}) == 1
+    assert launcher_local_id({}) is None
+
+
+# -- 6./7. GPUs per rank, the pinned device, and the impossible combination ----------------------
+def test_nccl_without_gpus_per_rank_is_refused_up_front() -> None:
+    with pytest.raises(NbdistError, match="--gpus-per-rank 0"):
+        validate_backend("nccl", 0)
+    with pytest.raises(NbdistError, match="--gpus-per-rank 0"):
+        Cluster(n=2, backend="nccl", gpus_per_rank=0)  # before any process starts
+    two = [_engine(0, ("a", "b", "c", "d")), _engine(1, ("a", "b", "c", "d"))]
+    assert [s.gpus for s in build_rank_map(two, "nccl", 2)] == [(0, 1), (2, 3)]
+
+
+def test_strategies_compute_on_the_pinned_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(RANK_DEVICE_VAR, "cpu")
+    assert rank_device() == torch.device("cpu")
+    monkeypatch.setenv(RANK_DEVICE_VAR, "cuda:3")  # a name only: nothing touches CUDA here
+    assert rank_device() == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert deepspeed_strategy.device_args(zero_stage=2).device_rank == 3
+    with pytest.raises(StrategyOptionError, match="cuda:LOCAL_RANK"):
+        deepspeed_strategy.device_args(zero_stage=3)
+    monkeypatch.setenv(RANK_DEVICE_VAR, "cpu")
+    assert deepspeed_strategy.device_args(zero_stage=3) is None
+
+
+# -- 9. a logged value that is not ready waits for the next publish ------------------------------
+class _Later(metrics.PendingValue):
+    __slots__ = ("done", "number")
+
+    def __init__(self, number: float) -> None:
+        self.done = threading.Event()
+        self.number = number
+
+    def ready(self) -> bool:
+        return self.done.is_set()
+
+    def value(self) -> float:
+        return self.number
+
+
+@pytest.fixture
+def metrics_agent():
+    agent = TelemetryAgent(0, 0.5, lambda _payload: None)
+    metrics.install_metrics(agent)
+    yield agent
+    metrics.uninstall_metrics(agent)
+
+
+def test_drain_never_waits_for_a_pending_value(metrics_agent) -> None:
+    later = _Later(0.25)
+    metrics.log(step=0, loss=1.0)
+    metrics.log(step=1, loss=later)
+    metrics.log(step=2, loss=0.5)
+    first = metrics.drain()
+    assert first["step"] == [0.0] and first["values"]["loss"] == [1.0]
+    assert metrics.drain() is None  # still pending: kept, in order, nothing blocked
+    later.done.set()
+    metrics.log(step=3, loss=0.125)
+    rest = metrics.drain()
+    assert rest["step"] == [1.0, 2.0, 3.0] and rest["values"]["loss"] == [0.25, 0.5, 0.125]
+
+
+# -- 10. the smaller ones ------------------------------------------------------------------------
+def test_pulled_values_have_every_tensor_moved() -> None:
+    from collections import namedtuple
+    from dataclasses import dataclass
+
+    Pair = namedtuple("Pair", "x y")
+
+    @dataclass
+    class Holder:
+        tensor: torch.Tensor
+
+    model = torch.nn.Linear(2, 2)
+    value = {"pair": Pair(torch.ones(1), [Holder(torch.zeros(3))]), "model": model, "n": 1}
+    # the meta device stands in for "another device" on a machine without one
+    moved = move_tensors(value, "meta")
+    assert type(moved["pair"]).__name__ == "Pair" and moved["pair"].x.device.type == "meta"
+    assert moved["pair"].y[0].tensor.device.type == "meta"
+    weight = moved["model"].weight
+    assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
+    assert weight.device.type == "meta" and model.weight.device.type == "cpu"
+    plain = {"n": 1, "t": torch.ones(1)}
+    assert move_tensors(plain, "cpu") is plain  # nothing to move: no copy
+
+
+def test_nvml_finds_mig_instances_and_never_guesses_gpu_0() -> None:
+    assert nvml_uuids("6f7e-aa") == ["GPU-6f7e-aa", "MIG-6f7e-aa"]
+    assert nvml_uuids("MIG-6f7e-aa") == ["MIG-6f7e-aa"]
+    assert physical_index(1, "2,3") == 3 and physical_index(0, None) == 0
+    assert physical_index(0, "MIG-6f7e-aa") is None
+    assert physical_index(0, "GPU-1234") is None
+
+
+def test_slurm_task_threads_are_not_divided_again() -> None:
+    assert default_threads(8, 4) == 2
+    assert default_threads(8, 4, own_cores=True) == 8
+    specs = [RankSpec(r, r, 2, 2, "n1", r, "gloo") for r in range(2)]
+    own = {0: {"cpu_affinity": [0, 1]}, 1: {"cpu_affinity": [2, 3]}}
+    shared = {0: {"cpu_affinity": [0, 1, 2, 3]}, 1: {"cpu_affinity": [0, 1, 2, 3]}}
+    assert cores_of_their_own(specs, own) == {"n1": True}
+    assert cores_of_their_own(specs, shared) == {"n1": False}
+
+
+def test_this_process_is_left_as_it_was() -> None:
+    assert RANK_DEVICE_VAR not in os.environ
