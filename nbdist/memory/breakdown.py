@@ -13,7 +13,7 @@ from typing import Any
 
 from nbdist.errors import NbdistWarning
 from nbdist.memory.chart import render_svg, render_table
-from nbdist.memory.wrapping import LABELS, from_trainer, is_trainer, wrapping
+from nbdist.memory.wrapping import LABELS, unwrap_trainer, wrapping
 
 __all__ = ["MemoryReport", "RankMemory", "memory_breakdown"]
 
@@ -124,10 +124,7 @@ def memory_breakdown(
 
     from nbdist.memory.ledger import account
 
-    asked = None
-    if is_trainer(model):
-        model, trainer_optimizer, asked = from_trainer(model)
-        optimizer = trainer_optimizer if optimizer is None else optimizer
+    model, optimizer, asked = unwrap_trainer(model, optimizer)
     device = _device_of(model)
     wrapped = wrapping(model, asked, device.type)
     if wrapped.mismatch():

@@ -51,13 +51,17 @@ def is_trainer(candidate: Any) -> bool:
     )
 
 
-def from_trainer(trainer: Any) -> tuple[Any, Any, str | None]:
-    """A Trainer's wrapped model, its optimizer, and the family its arguments asked for."""
+def unwrap_trainer(model: Any, optimizer: Any) -> tuple[Any, Any, str | None]:
+    """What to measure: a Trainer's wrapped model and optimizer (unless one is given) and the
+    family its arguments asked for; anything else as it is, with nothing asked."""
+    if not is_trainer(model):
+        return model, optimizer, None
     # fsdp is a list of options, a string or True across transformers versions: truthy when asked
     families = ("fsdp", "deepspeed")
-    asked = next((family for family in families if getattr(trainer.args, family, None)), None)
-    return trainer.model_wrapped, trainer.optimizer, asked
+    asked = next((family for family in families if getattr(model.args, family, None)), None)
+    return model.model_wrapped, model.optimizer if optimizer is None else optimizer, asked
 
 
 def wrapping(model: Any, asked: str | None, device_type: str) -> Wrapping:
+    """What wraps ``model`` on this rank now, beside what was asked for."""
     return Wrapping(got=wrapping_of(model), asked=asked, device_type=device_type)
