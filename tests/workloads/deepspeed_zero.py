@@ -66,6 +66,9 @@ torch.manual_seed(0)  # same initial weights on every rank
 model = Net()
 optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+assert engine.zero_optimization_stage() == args.stage
+if args.stage == 3:  # each rank keeps only its partition of every weight (ds_tensor)
+    assert all(p.numel() == 0 and p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters())
 
 # synthetic classification data, one shard per rank
 data_gen = torch.Generator().manual_seed(2024)
