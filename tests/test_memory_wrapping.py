@@ -13,7 +13,7 @@ import torch
 from nbdist import Cluster
 
 NEEDS_TRANSFORMERS = pytest.mark.skipif(
-    importlib.util.find_spec("transformers") is None or importlib.util.find_spec("accelerate") is None,
+    any(importlib.util.find_spec(name) is None for name in ("transformers", "accelerate")),
     reason='transformers and accelerate not installed: pip install -e ".[frameworks]"',
 )
 
@@ -21,7 +21,8 @@ WRAPPINGS_CODE = """
 got = {}
 for name, model in [("plain", Net()), ("ddp", build("ddp").model), ("fsdp", build("fsdp").model)]:
     report = nbdist.memory_breakdown(model)
-    got[name] = ([r.wrapping for r in report.ranks], report.headline(), report.rows()[0]["wrapping"])
+    wrappings = [r.wrapping for r in report.ranks]
+    got[name] = (wrappings, report.headline(), report.rows()[0]["wrapping"])
 """
 
 
@@ -34,7 +35,8 @@ def test_breakdown_names_the_wrapping_each_model_got(ranks2: Cluster) -> None:
 
 
 @pytest.mark.deepspeed
-@pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="pip install nbdist[deepspeed]")
+@pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="pip install nbdist[deepspeed]")
 def test_breakdown_names_a_deepspeed_engine_and_its_stage(ranks2: Cluster) -> None:
     ranks2.run(
         "p = build('deepspeed', zero_stage=2)\nreport = nbdist.memory_breakdown(p.model)\n"
@@ -44,13 +46,15 @@ def test_breakdown_names_a_deepspeed_engine_and_its_stage(ranks2: Cluster) -> No
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (FSDP1 refuses CPU ranks)")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA GPU (FSDP1 refuses CPU ranks)")
 def test_breakdown_names_fsdp1_on_a_gpu(cluster_factory, small_model_code: str) -> None:
     cluster = cluster_factory(1)
     cluster.run(
         small_model_code + "\nfrom torch.distributed.fsdp import FullyShardedDataParallel\n"
         "model = FullyShardedDataParallel(Net().to(device), device_id=torch.device(device))\n"
-        "report = nbdist.memory_breakdown(model)\ngot = ([r.wrapping for r in report.ranks], report.headline())"
+        "report = nbdist.memory_breakdown(model)\n"
+        "got = ([r.wrapping for r in report.ranks], report.headline())"
     ).raise_for_errors()
     assert cluster.pull("got")[0] == (["fsdp1"], "model wrapped by: FSDP")
 
@@ -91,14 +95,15 @@ def test_trainer_asked_for_fsdp_on_cpu_is_reported_as_ddp(ranks2: Cluster, tmp_p
         f"sharded = tiny_trainer({str(tmp_path / 'fsdp')!r}, fsdp='full_shard')\n"
         "before = measure(sharded)\nsharded.train()\nafter = measure(sharded)\n"
         "full = sum(p.numel() * p.element_size() for p in sharded.model.parameters())\n"
-        f"plain = tiny_trainer({str(tmp_path / 'ddp')!r})\nplain.train()\nplain_measured = measure(plain)"
+        f"plain = tiny_trainer({str(tmp_path / 'ddp')!r})\nplain.train()\n"
+        "plain_measured = measure(plain)"
     ).raise_for_errors()
     for rank in (0, 1):
         wrappings, headline, said, params = ranks2.pull("after")[rank]
         # accelerate wrapped it with DDP: every rank holds every parameter
         assert wrappings == ["ddp", "ddp"] and params >= ranks2.pull("full")[rank]
-        expected = ("TrainingArguments asked for FSDP but the model got DDP (accelerate does not use "
-                    "FSDP on CPU): every rank holds the whole model, nothing is sharded")
+        expected = ("TrainingArguments asked for FSDP but the model got DDP (accelerate does "
+                    "not use FSDP on CPU): every rank holds the whole model, nothing is sharded")
         assert said == [expected]
         assert headline == f"model wrapped by: DDP\nwarning: {expected}"
         # before train() the Trainer has not wrapped anything yet, and says so

@@ -5,7 +5,7 @@ typo cell between the two training cells. The per-rank losses of all four agree 
 Needs the frameworks extra (`pip install -e ".[frameworks]"`); each test skips without its
 framework. Nothing is downloaded: the models are built from configs, HF_HUB_OFFLINE=1.
 
-    .venv/bin/python -m pytest -q -m realcode tests/test_workloads_frameworks.py   (~3 min on 2 cores)
+    .venv/bin/python -m pytest -q -m realcode tests/test_workloads_frameworks.py   (~2 min, 2 cores)
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ FRAMEWORK_WORKLOADS: dict[str, tuple[str, list[str], tuple[str, ...]]] = {
 def two_ranks(fast_config) -> Iterator[Cluster]:
     with pytest.MonkeyPatch.context() as env:  # the ranks and torchrun's children inherit these
         env.setenv("HF_HUB_OFFLINE", "1")
-        env.setenv("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))  # prebuilt, never built here
+        # DeepSpeed's ops prebuilt by .ci/prebuild-ops: never built in a test
+        env.setenv("TORCH_EXTENSIONS_DIR", str(REPO / ".torch_extensions"))
         cluster = Cluster(n=2, threads=1, config=fast_config).start()
         try:
             yield cluster
@@ -46,7 +47,9 @@ def two_ranks(fast_config) -> Iterator[Cluster]:
             cluster.stop()
 
 
-def run_as_cells(cluster: Cluster, script: Path, args: list[str], out_dir: Path, typo: bool) -> None:
+def run_as_cells(
+    cluster: Cluster, script: Path, args: list[str], out_dir: Path, typo: bool
+) -> None:
     """Every `# %%` chunk as one cell, the script's arguments in sys.argv; with ``typo`` a cell
     that fails with a NameError on every rank runs between the first and second training cells."""
     cluster.run(
@@ -74,19 +77,28 @@ def four_ways(cluster: Cluster, test_id: str, tmp_path: Path) -> dict[str, dict[
     for out in outs.values():
         out.mkdir()
     runner.run_torchrun(script, 2, args, outs["torchrun"], timeout=300)
-    cluster.run_script(str(script), [*args, "--out", str(outs["dist_run"])], timeout=300).raise_for_errors()
+    dist_run_args = [*args, "--out", str(outs["dist_run"])]
+    cluster.run_script(str(script), dist_run_args, timeout=300).raise_for_errors()
     run_as_cells(cluster, script, args, outs["cells"], typo=False)
     run_as_cells(cluster, script, args, outs["cells_with_typo"], typo=True)
     return {way: runner.read_losses(out) for way, out in outs.items()}
 
 
-@pytest.mark.parametrize("test_id", list(FRAMEWORK_WORKLOADS))
+def _installed(test_id: str) -> pytest.MarkDecorator:
+    """Skip without the workload's frameworks; find_spec, not importorskip: importing deepspeed
+    in pytest would change its environment, and no cluster starts for a skipped test."""
+    packages = FRAMEWORK_WORKLOADS[test_id][2]
+    missing = [name for name in packages if importlib.util.find_spec(name) is None]
+    return pytest.mark.skipif(
+        bool(missing), reason=f'{", ".join(missing)} not installed: pip install -e ".[frameworks]"')
+
+
+@pytest.mark.parametrize("test_id", [
+    pytest.param(test_id, marks=_installed(test_id)) for test_id in FRAMEWORK_WORKLOADS
+])
 def test_framework_losses_equal_torchrun_and_survive_a_typo(
     two_ranks: Cluster, test_id: str, tmp_path: Path
 ) -> None:
-    missing = [name for name in FRAMEWORK_WORKLOADS[test_id][2] if importlib.util.find_spec(name) is None]
-    if missing:  # find_spec, not importorskip: importing deepspeed here would set env vars in pytest
-        pytest.skip(f'{", ".join(missing)} not installed: pip install -e ".[frameworks]"')
     losses = four_ways(two_ranks, test_id, tmp_path)
     expected = losses["torchrun"]
     assert sorted(expected) == [0, 1] and all(len(per_rank) >= 6 for per_rank in expected.values())
@@ -98,7 +110,8 @@ def test_framework_losses_equal_torchrun_and_survive_a_typo(
     assert sum(first[half:]) < sum(first[:half]), first
     if test_id == "accelerate_loop":  # accelerator.gather gave each rank both ranks' losses
         for rank in (0, 1):
-            evaluation = json.loads((tmp_path / "cells_with_typo" / f"eval-rank{rank}.json").read_text())
+            evaluation_file = tmp_path / "cells_with_typo" / f"eval-rank{rank}.json"
+            evaluation = json.loads(evaluation_file.read_text())
             assert evaluation["gathered_losses"] == [losses["cells_with_typo"][r] for r in (0, 1)]
             assert 0.5 < evaluation["accuracy"] <= 1.0
     # the process group still works after the script's own teardown

@@ -41,8 +41,9 @@ def make_data(n, seed):
 
 
 world_size = accelerator.num_processes
-train_loader = DataLoader(make_data(args.steps * args.batch * world_size, 11), batch_size=args.batch)
-eval_loader = DataLoader(make_data(4 * args.batch * world_size, 12), batch_size=args.batch)
+train_set = make_data(args.steps * args.batch * world_size, seed=11)
+train_loader = DataLoader(train_set, batch_size=args.batch)
+eval_loader = DataLoader(make_data(4 * args.batch * world_size, seed=12), batch_size=args.batch)
 # prepare() wraps the model in DDP and gives each rank its shard of each loader
 model, optimizer, train_loader, eval_loader = accelerator.prepare(
     model, optimizer, train_loader, eval_loader

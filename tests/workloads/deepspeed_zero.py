@@ -1,7 +1,7 @@
 # DeepSpeed called directly: deepspeed.init_distributed() + deepspeed.initialize(config=...),
 # ZeRO stage 2 or 3, fp32 on CPU (gloo). In the style of DeepSpeed's getting-started training loop
 # (engine(x), engine.backward(loss), engine.step()); run with
-#   torchrun --standalone --nproc-per-node 2 deepspeed_zero.py [--stage 2|3] [--steps 12] [--out DIR]
+#   torchrun --standalone --nproc-per-node 2 deepspeed_zero.py [--stage 2|3] [--out DIR]
 # The optimizer is torch's AdamW handed to initialize(): a config "optimizer" section would load
 # DeepSpeed's own fused Adam, a C++ op compiled on first use.
 # Cells: setup, first half of the steps, second half + losses file.
@@ -68,7 +68,8 @@ optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
 engine, optimizer, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
 assert engine.zero_optimization_stage() == args.stage
 if args.stage == 3:  # each rank keeps only its partition of every weight (ds_tensor)
-    assert all(p.numel() == 0 and p.ds_tensor.numel() < p.ds_numel for p in engine.module.parameters())
+    params = list(engine.module.parameters())
+    assert all(p.numel() == 0 and p.ds_tensor.numel() < p.ds_numel for p in params)
 
 # synthetic classification data, one shard per rank
 data_gen = torch.Generator().manual_seed(2024)

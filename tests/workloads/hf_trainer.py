@@ -26,7 +26,8 @@ class RandomTokens(torch.utils.data.Dataset):
     """Seeded random sequences; the labels are the inputs (the model shifts them)."""
 
     def __init__(self, n, length=16, vocab=96, seed=7):
-        self.tokens = torch.randint(vocab, (n, length), generator=torch.Generator().manual_seed(seed))
+        generator = torch.Generator().manual_seed(seed)
+        self.tokens = torch.randint(vocab, (n, length), generator=generator)
 
     def __len__(self):
         return len(self.tokens)
