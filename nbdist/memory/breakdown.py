@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from nbdist.errors import NbdistWarning
 from nbdist.memory.chart import render_svg, render_table
+from nbdist.memory.wrapping import LABELS, unwrap_trainer, wrapping
 
 __all__ = ["MemoryReport", "RankMemory", "memory_breakdown"]
 
@@ -44,6 +47,10 @@ class RankMemory:
     """CUDA: memory_reserved (allocated + cached blocks); CPU: resident set size."""
     peak_forward: int | None = None
     """CUDA: max_memory_allocated during the measured forward, minus what was allocated before."""
+    wrapping: str = "none"
+    """What wraps the model on this rank: ddp, fsdp (FSDP2), fsdp1, zero0-3 (DeepSpeed) or none."""
+    wrapping_mismatch: str | None = None
+    """One line when the model did not get the wrapping its Trainer's arguments asked for."""
 
     @property
     def model_states(self) -> int:
@@ -64,8 +71,15 @@ class MemoryReport:
     def rows(self) -> list[dict[str, Any]]:
         return [r.row() for r in self.ranks]
 
+    def headline(self) -> str:
+        """The wrappings the ranks' models got (one where all agree) and any mismatch warning."""
+        labels = sorted({LABELS.get(r.wrapping, r.wrapping) for r in self.ranks})
+        mismatches = sorted({r.wrapping_mismatch for r in self.ranks if r.wrapping_mismatch})
+        lines = [f"model wrapped by: {', '.join(labels)}", *(f"warning: {m}" for m in mismatches)]
+        return "\n".join(lines)
+
     def table(self) -> str:
-        return render_table(
+        return self.headline() + "\n" + render_table(
             self.rows(), ("params", "grads", "optimizer", "activations", "gathered", "buffers", "other", "total"))
 
     def to_svg(self) -> str:
@@ -91,13 +105,17 @@ def memory_breakdown(
 ) -> MemoryReport:
     """Measure this rank's memory now; with ``gather`` (a collective) return every rank's.
 
-    ``model`` may be a plain module, DDP, an FSDP2 module or a DeepSpeedEngine; ``optimizer`` the
-    matching optimizer (DeepSpeed's is found on the engine). With ``batch`` (a tensor, a tuple of
-    positional inputs or a dict of keyword inputs) one forward runs with autograd recording, and
-    the bytes it saves for backward are the activations: that is their peak, reached at the end of
-    forward. ``loss_fn(output)`` adds the loss's own. The graph is then dropped without backward,
-    so parameters, gradients and optimizer state are left exactly as they were (ZeRO-3's weights
-    gathered for the forward are partitioned again).
+    ``model`` may be a plain module, DDP, an FSDP2 module, a DeepSpeedEngine or a Hugging Face
+    ``Trainer``; ``optimizer`` the matching optimizer (found on a DeepSpeedEngine or a Trainer).
+    The report says which wrapping the model got; when a Trainer asked for FSDP or DeepSpeed and
+    the model got something else (DDP on CPU), an ``NbdistWarning`` says so.
+
+    With ``batch`` (a tensor, a tuple of positional inputs or a dict of keyword inputs) one
+    forward runs with autograd recording, and the bytes it saves for backward are the
+    activations: that is their peak, reached at the end of forward. ``loss_fn(output)`` adds the
+    loss's own. The graph is then dropped without backward, so parameters, gradients and
+    optimizer state are left exactly as they were (ZeRO-3's weights gathered for the forward are
+    partitioned again).
 
     DeepSpeed ZeRO-1/2 free their gradient partition inside ``step()``: measure between
     ``backward`` and ``step`` to see gradients (ZeRO-1's full ones only while it accumulates).
@@ -106,7 +124,11 @@ def memory_breakdown(
 
     from nbdist.memory.ledger import account
 
+    model, optimizer, asked = unwrap_trainer(model, optimizer)
     device = _device_of(model)
+    wrapped = wrapping(model, asked, device.type)
+    if wrapped.mismatch():
+        warnings.warn(wrapped.mismatch(), NbdistWarning, stacklevel=2)
     ledger = account(model, optimizer, device.type)
     activations = peak_forward = None
     gathered = ledger.bytes["gathered"]
@@ -129,7 +151,7 @@ def memory_breakdown(
         optimizer=ledger.bytes["optimizer"], activations=activations, gathered=gathered,
         buffers=ledger.bytes["buffers"],
         other=other, offloaded=ledger.offloaded, allocated=allocated, reserved=reserved,
-        peak_forward=peak_forward,
+        peak_forward=peak_forward, wrapping=wrapped.got, wrapping_mismatch=wrapped.mismatch(),
     )
     return MemoryReport(gather_from_ranks(mine) if gather else [mine])
 

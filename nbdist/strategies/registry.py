@@ -53,6 +53,30 @@ def get_strategy(strategy: str, zero_stage: int | None = None) -> Strategy:
     return selected
 
 
+WRAPPING_FAMILIES = {
+    "ddp": "ddp", "fsdp": "fsdp", "fsdp1": "fsdp", "none": "none",
+    **{f"zero{stage}": "deepspeed" for stage in ZERO_STAGES},
+}
+"""What ``wrapping_of`` can answer, each with its library (one of ``FAMILIES``, or none)."""
+
+
+def wrapping_of(model: Any) -> str:
+    """How ``model`` is wrapped now: ``zeroN`` (a DeepSpeedEngine), ``fsdp`` (FSDP2's DTensor
+    parameters), ``fsdp1`` (FullyShardedDataParallel), ``ddp``, or ``none`` (a plain module)."""
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    if type(model).__module__.startswith("deepspeed") and hasattr(model, "save_checkpoint"):
+        return strategy_of(model).name
+    if isinstance(model, FullyShardedDataParallel):
+        return "fsdp1"
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        return DDP.name
+    if any(hasattr(param, "_local_tensor") for param in model.parameters()):
+        return FSDP_FULL_SHARD.name
+    return "none"
+
+
 def strategy_of(model: Any) -> Strategy:
     """The strategy that wrapped ``model``: a DeepSpeedEngine's stage, FSDP2 (DTensor params), or DDP."""
     if type(model).__module__.startswith("deepspeed") and hasattr(model, "save_checkpoint"):
