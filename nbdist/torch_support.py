@@ -31,6 +31,10 @@ FEATURES: dict[str, Feature] = {
         "FSDP2 (fully_shard) on CPU", (2, 7),
         r"AttributeError: 'Stream' object has no attribute 'record_event'",
     ),
+    "tcpstore-libuv-listen-fd": Feature(
+        "a libuv TCPStore on a socket nbdist bound", (2, 8),
+        r"NotImplementedError: The libuv TCPStore backend does not support initialization",
+    ),
 }
 
 
@@ -46,17 +50,23 @@ def _dotted(version: tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
-def require(feature: str, torch_version: str | None = None) -> None:
-    """Raise `TorchTooOldError` when ``torch_version`` (default: this process's) lacks `feature`."""
+def has(feature: str, torch_version: str | None = None) -> bool:
+    """Whether ``torch_version`` (default: this process's) has `feature`."""
     if torch_version is None:
         import torch
 
         torch_version = str(torch.__version__)
-    needed = FEATURES[feature]
-    if version_tuple(torch_version) < needed.minimum:
-        raise TorchTooOldError(
-            f"{needed.title} needs torch >= {_dotted(needed.minimum)}; this rank has {torch_version}."
-        )
+    return version_tuple(torch_version) >= FEATURES[feature].minimum
+
+
+def require(feature: str, torch_version: str | None = None) -> None:
+    """Raise `TorchTooOldError` when ``torch_version`` (default: this process's) lacks `feature`."""
+    if not has(feature, torch_version):
+        import torch
+
+        needed = FEATURES[feature]
+        raise TorchTooOldError(f"{needed.title} needs torch >= {_dotted(needed.minimum)}; "
+                               f"this rank has {torch_version or torch.__version__}.")
 
 
 def hint(ename: str, evalue: str, torch_version: str) -> str | None:

@@ -16,8 +16,23 @@ import psutil
 import pytest
 import torch
 
-from nbdist import Cluster
+from nbdist import Cluster, torch_support
 from nbdist.config import NbdistConfig
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``fsdp2`` need FSDP2 on CPU ranks where their ``device`` is cpu (or unset):
+    skipped, with the version it needs, on a torch that lacks it (.ci/floor-suite)."""
+    if torch_support.has("fsdp2-cpu"):
+        return
+    needed = torch_support.FEATURES["fsdp2-cpu"]
+    skip = pytest.mark.skip(reason=f"{needed.title} needs torch >= "
+                                   f"{needed.minimum[0]}.{needed.minimum[1]}")
+    for item in items:
+        callspec = getattr(item, "callspec", None)
+        device = callspec.params.get("device", "cpu") if callspec else "cpu"
+        if item.get_closest_marker("fsdp2") and device == "cpu":
+            item.add_marker(skip)
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS_DIR = str(Path(__file__).resolve().parent) + os.sep

@@ -22,6 +22,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.fsdp2
 def test_zero_stages_match_the_formulas_beside_ddp_and_fsdp(ranks2: Cluster, small_model_psi: int):
     psi = small_model_psi
     ranks2.run(

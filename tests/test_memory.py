@@ -5,6 +5,8 @@ ZeRO formulas.
 
 from __future__ import annotations
 
+import pytest
+
 from nbdist import Cluster
 
 
@@ -36,6 +38,7 @@ def test_breakdown_is_exact_gathered_and_leaves_training_alone(ranks2_on_device:
     assert ranks2.pull("after") == ranks2.pull("plain")
 
 
+@pytest.mark.fsdp2
 def test_recompute_and_gathered_parameters_show_up(ranks2: Cluster, small_model_psi: int):
     psi = small_model_psi
     ranks2.run(

@@ -24,6 +24,7 @@ def test_ddp_trains_and_replicas_stay_identical(ranks2_on_device: Cluster, small
     assert flats[0].numel() == psi and torch.equal(flats[0], flats[1])
 
 
+@pytest.mark.fsdp2
 def test_fsdp_full_shard_trains_and_holds_one_over_n(ranks2_on_device: Cluster, small_model_psi: int):
     ranks2, psi = ranks2_on_device, small_model_psi
     ranks2.run(
@@ -38,6 +39,7 @@ def test_fsdp_full_shard_trains_and_holds_one_over_n(ranks2_on_device: Cluster, 
     assert not torch.equal(shards[0], shards[1])  # two halves, not two replicas
 
 
+@pytest.mark.fsdp2
 def test_fsdp_bf16_cpu_offload_grad_op_and_recompute_train(ranks2: Cluster):
     ranks2.run(
         "p = build('fsdp', mixed_precision='bf16', cpu_offload=True, sharding='shard_grad_op', "
@@ -47,7 +49,7 @@ def test_fsdp_bf16_cpu_offload_grad_op_and_recompute_train(ranks2: Cluster):
         assert losses[-1] < losses[0]
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", pytest.param("fsdp", marks=pytest.mark.fsdp2)])
 def test_checkpoint_round_trip_and_consolidated_single_process(
         ranks2: Cluster, tmp_path: Path, strategy: str, assert_consolidated_file_reproduces) -> None:
     path = tmp_path / strategy
@@ -95,6 +97,7 @@ def test_bad_combinations_say_what_to_change(ranks2: Cluster):
         assert messages[key] is not None and expected in messages[key], (key, messages[key])
 
 
+@pytest.mark.fsdp2
 def test_four_ranks_shard_one_quarter_and_match_the_estimate(
         cluster4: Cluster, small_model_code: str, small_model_psi: int) -> None:
     psi = small_model_psi

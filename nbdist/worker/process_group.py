@@ -12,6 +12,8 @@ import socket
 import time
 from typing import Any
 
+from nbdist import torch_support
+
 
 def init_generation(
     backend: str,
@@ -119,7 +121,8 @@ def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_
         raise
     # the store owns the descriptor from here on (it closes it when the generation ends)
     return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
-                         master_listen_fd=listener.detach())
+                         master_listen_fd=listener.detach(),
+                         use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
 
 
 def teardown() -> bool:
