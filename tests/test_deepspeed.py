@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import nbdist
-from nbdist import Cluster
+from nbdist import Cluster, torch_support
 
 pytestmark = [
     pytest.mark.deepspeed,
@@ -92,8 +92,10 @@ def test_breakdown_per_stage_matches_the_zero_paper(ranks2: Cluster, stage: int,
         assert rows["forward"]["gathered"] == pytest.approx(unit, rel=0.01), table
         assert rows["measuring forward"]["gathered"] == pytest.approx(unit, rel=0.01), table
     # Only ZeRO-3's biases (under stage3_param_persistence_threshold) stay whole between steps,
-    # and the measuring forward partitions again whatever it gathered.
-    assert rows["after measuring"]["gathered"] < 0.01 * unit, table
+    # and the measuring forward partitions again whatever it gathered. On torch < 2.7 DeepSpeed
+    # keeps the last weight it fetched (floor suite: one 384x384 weight, 12.7 % of the model).
+    kept = 0.01 if torch_support.version_tuple(torch.__version__) >= (2, 7) else 0.15
+    assert rows["after measuring"]["gathered"] < kept * unit, table
     assert same  # and training goes on exactly as without the measurements
 
 
