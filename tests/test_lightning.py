@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import textwrap
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
 
 from nbdist import Cluster
 
-pytest.importorskip("lightning", reason="Lightning is not installed (the frameworks extra)")
+# find_spec, not importorskip: importing Lightning here would change this process's os.environ
+pytestmark = pytest.mark.skipif(find_spec("lightning") is None,
+                                reason="Lightning is not installed (the frameworks extra)")
 
 SETUP = """
 import psutil, torch, lightning as L

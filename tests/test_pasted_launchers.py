@@ -6,6 +6,7 @@ before survives; the last test drives a real kernel through nbclient."""
 from __future__ import annotations
 
 import textwrap
+from importlib.util import find_spec
 from pathlib import Path
 
 import nbformat
@@ -207,8 +208,9 @@ def test_a_process_that_is_not_one_per_rank_is_a_real_process(cluster: Cluster) 
     assert cluster.pull("codes") == {0: (True, 0), 1: (True, 0)}
 
 
+@pytest.mark.skipif(find_spec("accelerate") is None,
+                    reason="accelerate is not installed (the frameworks extra)")
 def test_accelerate_notebook_launcher_runs_in_place(cluster: Cluster) -> None:
-    pytest.importorskip("accelerate", reason="accelerate is not installed (the frameworks extra)")
     cluster.run(TRAIN_BEFORE).raise_for_errors()
     result = cluster.run(textwrap.dedent("""
         from accelerate import Accelerator, notebook_launcher
