@@ -88,6 +88,7 @@ def _note(launcher: str, text: str) -> None:
 
 def _spawn(original: Any, *args: Any, **kwargs: Any) -> Any:
     """torch.multiprocessing.spawn / start_processes: `fn(rank, *args)` in place, or an error."""
+    __tracebackhide__ = True
     call = inspect.signature(original).bind(*args, **kwargs)
     call.apply_defaults()
     fn, fn_args = call.arguments["fn"], tuple(call.arguments["args"])
@@ -117,6 +118,7 @@ def _spawn(original: Any, *args: Any, **kwargs: Any) -> Any:
 def _process_start(original: Any, process: Any) -> None:
     """`Process(target=f, args=(i, ...)).start()` for a function of the cell or script, as the
     tutorials start one process per rank: rank i runs `f(i, ...)` in place, the others skip."""
+    __tracebackhide__ = True
     target, args = getattr(process, "_target", None), tuple(getattr(process, "_args", ()))
     if (getattr(target, "__module__", None) != "__main__" or not args
             or type(args[0]) is not int):
@@ -144,6 +146,7 @@ def _wrap_notebook_launcher(module: Any) -> None:
 
 
 def _notebook_launcher(original: Any, *args: Any, **kwargs: Any) -> None:
+    __tracebackhide__ = True
     call = inspect.signature(original).bind(*args, **kwargs)
     call.apply_defaults()
     fn, fn_args = call.arguments["function"], tuple(call.arguments["args"])
@@ -170,6 +173,7 @@ SHELL_LAUNCHERS = {
 
 
 def _shell_command(original: Any, command: str, *args: Any, **kwargs: Any) -> Any:
+    __tracebackhide__ = True
     launcher = launcher_in(command)
     if launcher is not None:
         n = STATE.world_size

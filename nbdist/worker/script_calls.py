@@ -58,6 +58,7 @@ def wrap(original: Any, replacement: Any) -> Any:
 
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # IPython leaves this frame out of the user's traceback
         return replacement(original, *args, **kwargs)
 
     wrapper.__nbdist_original__ = original  # type: ignore[attr-defined]
