@@ -9,10 +9,12 @@ import textwrap
 from collections.abc import Iterator
 from importlib.util import find_spec
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from nbdist import Cluster
+from nbdist.config import NbdistConfig
 
 # find_spec, not importorskip: importing Lightning here would change this process's os.environ
 pytestmark = pytest.mark.skipif(find_spec("lightning") is None,
@@ -78,24 +80,22 @@ NO_CHILDREN = ("new_children = {p.pid for p in psutil.Process().children(recursi
                " - children_before")
 
 
-def _cluster(backend: str) -> Iterator[Cluster]:
-    from tests.conftest import _FAST, _assert_all_gone
-
-    cluster = Cluster(n=2, backend=backend, threads=1, config=_FAST).start()
+def _cluster(backend: str, config: NbdistConfig, assert_all_gone: Any) -> Iterator[Cluster]:
+    cluster = Cluster(n=2, backend=backend, threads=1, config=config).start()
     try:
         yield cluster
     finally:
-        _assert_all_gone(cluster.stop())
+        assert_all_gone(cluster.stop())
 
 
 @pytest.fixture(scope="module")
-def gloo_ranks() -> Iterator[Cluster]:
-    yield from _cluster("gloo")
+def gloo_ranks(fast_config: NbdistConfig, assert_all_gone: Any) -> Iterator[Cluster]:
+    yield from _cluster("gloo", fast_config, assert_all_gone)
 
 
 @pytest.fixture(scope="module")
-def nccl_ranks() -> Iterator[Cluster]:
-    yield from _cluster("nccl")
+def nccl_ranks(fast_config: NbdistConfig, assert_all_gone: Any) -> Iterator[Cluster]:
+    yield from _cluster("nccl", fast_config, assert_all_gone)
 
 
 @pytest.fixture

@@ -213,19 +213,24 @@ def test_a_process_that_is_not_one_per_rank_is_a_real_process(cluster: Cluster) 
 def test_accelerate_notebook_launcher_runs_in_place(cluster: Cluster) -> None:
     cluster.run(TRAIN_BEFORE).raise_for_errors()
     result = cluster.run(textwrap.dedent("""
+        import os
+
         from accelerate import Accelerator, notebook_launcher
 
         def training_function(scale):
             accelerator = Accelerator(cpu=True)
             total = accelerator.reduce(torch.ones(1) * scale * (accelerator.process_index + 1))
-            seen.append((accelerator.process_index, accelerator.num_processes, total.item()))
+            seen.append((accelerator.process_index, accelerator.num_processes, total.item(),
+                         os.environ.get("ACCELERATE_MIXED_PRECISION")))
 
         seen = []
-        notebook_launcher(training_function, (2,), num_processes=2)
+        notebook_launcher(training_function, (2,), num_processes=2, mixed_precision="bf16")
+        precision_after = os.environ.get("ACCELERATE_MIXED_PRECISION")
     """), timeout=120).raise_for_errors()
     assert result.stdout[0].startswith("nbdist: notebook_launcher(training_function) runs "
                                        "training_function(*args) in place on each of the 2 ranks")
-    assert cluster.pull("seen") == {0: [(0, 2, 6.0)], 1: [(1, 2, 6.0)]}
+    assert cluster.pull("seen") == {0: [(0, 2, 6.0, "bf16")], 1: [(1, 2, 6.0, "bf16")]}
+    assert cluster.pull("precision_after") == {0: None, 1: None}
     wrong = cluster.run("notebook_launcher(training_function, (2,), num_processes=8)")
     assert "num_processes=8) asks for 8 processes" in wrong.errors[0].evalue
     _assert_usable_and_model_kept(cluster)

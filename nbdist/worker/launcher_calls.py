@@ -25,6 +25,10 @@ LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
 """Lightning's launchers return rank 0's result to a parent that a rank does not have."""
 
 
+PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"
+"""Where accelerate's Accelerator reads the precision `notebook_launcher(mixed_precision=)` sets."""
+
+
 @dataclass
 class LauncherState:
     rank: int = 0
@@ -160,7 +164,17 @@ def _notebook_launcher(original: Any, *args: Any, **kwargs: Any) -> None:
         )
     _note("notebook_launcher", f"notebook_launcher({name}) runs {name}(*args) in place on each "
                                f"of the {STATE.world_size} ranks: they already are its processes")
-    fn(*fn_args)
+    precision = str(call.arguments["mixed_precision"])
+    saved = os.environ.get(PRECISION_ENV)
+    if precision != "no":  # what the launcher tells its workers' Accelerator
+        os.environ[PRECISION_ENV] = precision
+    try:
+        fn(*fn_args)
+    finally:
+        if saved is None:
+            os.environ.pop(PRECISION_ENV, None)
+        else:
+            os.environ[PRECISION_ENV] = saved
 
 
 SHELL_LAUNCHERS = {
