@@ -31,6 +31,16 @@ CELL_TIMEOUT = 240
 
 RAISES = "raises-exception"
 
+REQUIRES = "nbdist_requires"
+"""Notebook metadata: the packages beyond nbdist's own a tutorial uses (without them: a skip)."""
+
+
+def missing_packages(path: Path) -> list[str]:
+    from importlib.util import find_spec
+
+    needed = nbformat.read(path, as_version=4).metadata.get(REQUIRES, [])
+    return [name for name in needed if find_spec(name) is None]
+
 
 def run_notebook(path: Path, workdir: Path, kernel_name: str = "python3") -> tuple[nbformat.NotebookNode, float]:
     """Execute a copy of the notebook in `workdir`; returns it with its outputs and the seconds taken."""
@@ -65,14 +75,28 @@ def test_every_tutorial_is_here() -> None:
         "00_quickstart", "01_collectives", "02_ddp", "03_ddp_model_parallel", "04_fsdp",
         "05_deepspeed", "06_memory_anatomy", "07_tensor_parallel", "08_pipeline_parallel",
         "09_rpc_parameter_server", "10_when_things_go_wrong", "11_notebook_to_script",
-        "12_multi_node_slurm", "13_memory_savers",
+        "12_multi_node_slurm", "13_memory_savers", "15_bring_your_own_code",
     }
     assert expected <= names, f"missing: {sorted(expected - names)}"
+
+
+def test_a_tutorial_names_the_packages_it_needs(tmp_path: Path) -> None:
+    """What `test_notebook_executes` skips on: the packages in REQUIRES that are not installed."""
+    path = tmp_path / "needs.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(metadata={REQUIRES: ["torch", "no_such_package_x"]}),
+                   path)
+    assert missing_packages(path) == ["no_such_package_x"]
+    byoc = NOTEBOOK_DIR / "15_bring_your_own_code.ipynb"
+    assert nbformat.read(byoc, as_version=4).metadata[REQUIRES] == [
+        "lightning", "transformers", "accelerate", "deepspeed"]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("path", _params())
 def test_notebook_executes(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = missing_packages(path)
+    if missing:
+        pytest.skip(f"{path.stem} needs {', '.join(missing)} (pip install 'nbdist[frameworks]')")
     monkeypatch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", "1"))
     # DeepSpeed's C++ ops, built once by .ci/setup (.ci/prebuild-ops): the kernel and its ranks
     # inherit this, or 05_deepspeed builds them again mid-cell (~90 s each, 210 s seen under load)

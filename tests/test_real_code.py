@@ -201,3 +201,33 @@ def test_in_a_real_kernel_a_typo_and_a_syntax_error_keep_the_model(tmp_path: Pat
     text = "".join(o.get("text", "") for cell in nb.cells for o in cell.outputs)
     assert "tore down" not in text and "rebuilt" not in text
     assert "same losses" in text
+
+
+NON_INTERACTIVE_CHECKS = """
+import __main__, argparse, sys
+import torch.distributed as dist
+seen = {
+    "ps1": hasattr(sys, "ps1") or hasattr(sys, "ps2"),
+    "interactive": sys.flags.interactive,
+    "torchelastic": dist.is_torchelastic_launched(),
+    "main_file": getattr(__main__, "__file__", None),
+    "argv": sys.argv[1:],
+    "parsed": vars(argparse.ArgumentParser().parse_args()),  # what a script without options sees
+    "group_rank": os.environ["GROUP_RANK"],
+}
+"""
+
+
+def test_a_rank_looks_like_a_torchrun_worker_to_libraries(cluster: Cluster, tmp_path: Path) -> None:
+    """What Lightning and others check for an interactive session, in a cell and in %dist_run."""
+    cluster.run("import os\n" + NON_INTERACTIVE_CHECKS).raise_for_errors()
+    cell = cluster.pull("seen")[1]
+    assert cell == {"ps1": False, "interactive": 0, "torchelastic": True, "main_file": None,
+                    "argv": [], "parsed": {}, "group_rank": "0"}
+    script = tmp_path / "checks.py"
+    script.write_text("import os\n" + NON_INTERACTIVE_CHECKS)
+    cluster.run_script(str(script), timeout=60).raise_for_errors()
+    in_script = cluster.pull("seen")[0]
+    assert in_script == {**cell, "main_file": str(script)}
+    cluster.run("import __main__\nafter = getattr(__main__, '__file__', None)").raise_for_errors()
+    assert cluster.pull("after") == {0: None, 1: None}  # the script's __file__ left with it

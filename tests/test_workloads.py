@@ -1,7 +1,9 @@
 """Public-example-style distributed PyTorch code, run three ways with equal losses (issue 13):
 under torchrun, through %dist_run unchanged, and pasted chunk by chunk into %%distributed cells.
 DDP, FSDP2 + DCP save/resume, DeviceMesh tensor and sequence parallel, an RPC parameter server
-with DDP trainers on 4 ranks, and a minGPT-style Trainer resuming from its snapshot.
+with DDP trainers on 4 ranks, a minGPT-style Trainer resuming from its snapshot, and Lightning
+(a Fabric loop and a Trainer fit, "ddp"; skipped without Lightning) with a typo cell between two
+training cells.
 
     .venv/bin/python -m pytest -q -m realcode tests/test_workloads.py   (~5 min on 2 cores)
 """
@@ -9,6 +11,7 @@ with DDP trainers on 4 ranks, and a minGPT-style Trainer resuming from its snaps
 from __future__ import annotations
 
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -30,21 +33,31 @@ def two_ranks(fast_config) -> Iterator[Cluster]:
         cluster.stop()
 
 
-def run_as_cells(cluster: Cluster, script: Path, out_dir: Path) -> None:
-    """Every `# %%` chunk as one cell, in order; the options' defaults are the tests' values."""
+TYPO = "settings = {}\nsettings['lr']"
+
+
+def run_as_cells(cluster: Cluster, script: Path, out_dir: Path,
+                 typo_before: int | None = None) -> None:
+    """Every `# %%` chunk as one cell, in order; the options' defaults are the tests' values.
+    `typo_before`: a cell with a typo runs before that chunk, and must change nothing."""
     cluster.run(f"import os\nos.environ['NBDIST_WORKLOAD_OUT'] = {str(out_dir)!r}").raise_for_errors()
-    for chunk in runner.split_cells(script):
+    for index, chunk in enumerate(runner.split_cells(script)):
+        if index == typo_before:
+            typo = cluster.run(TYPO)
+            assert sorted(typo.errors) == [0, 1] and typo.errors[0].ename == "KeyError"
+            assert not typo.actions, f"the group was touched after a typo: {typo.actions}"
         cluster.run(chunk, timeout=300).raise_for_errors()
 
 
-def three_ways(cluster: Cluster, name: str, tmp_path: Path) -> dict[str, dict[int, list[float]]]:
+def three_ways(cluster: Cluster, name: str, tmp_path: Path,
+               typo_before: int | None = None) -> dict[str, dict[int, list[float]]]:
     script = runner.workload_path(name)
     outs = {way: tmp_path / way for way in ("torchrun", "dist_run", "cells")}
     for out in outs.values():
         out.mkdir()
     runner.run_torchrun(script, runner.WORKLOADS[name], [], outs["torchrun"], timeout=300)
     cluster.run_script(str(script), ["--out", str(outs["dist_run"])], timeout=300).raise_for_errors()
-    run_as_cells(cluster, script, outs["cells"])
+    run_as_cells(cluster, script, outs["cells"], typo_before)
     return {way: runner.read_losses(out) for way, out in outs.items()}
 
 
@@ -56,6 +69,19 @@ def test_losses_equal_torchrun_three_ways(two_ranks: Cluster, name: str, tmp_pat
     runner.assert_losses_close(losses["torchrun"], losses["cells"], rel=1e-5)
     # the script's own destroy_process_group was honoured and the group re-formed after it
     two_ranks.run("t = torch.ones(1)\ndist.all_reduce(t)\nassert t.item() == 2").raise_for_errors()
+
+
+@pytest.mark.skipif(find_spec("lightning") is None,
+                    reason="Lightning is not installed (the frameworks extra)")
+@pytest.mark.parametrize("name", ["lightning_fabric.py", "lightning_trainer.py"])
+def test_lightning_three_ways_with_a_typo_between_training_cells(
+        two_ranks: Cluster, name: str, tmp_path: Path) -> None:
+    """The typo runs between the two training chunks: the cells' losses after it still equal
+    torchrun's, so training went on with the same model."""
+    losses = three_ways(two_ranks, name, tmp_path, typo_before=2)
+    assert all(len(per_rank) == 20 for per_rank in losses["torchrun"].values())
+    runner.assert_losses_close(losses["torchrun"], losses["dist_run"], rel=1e-5)
+    runner.assert_losses_close(losses["torchrun"], losses["cells"], rel=1e-5)
 
 
 def test_trainer_snapshot_resumes_three_ways(two_ranks: Cluster, tmp_path: Path) -> None:

@@ -15,7 +15,9 @@ from typing import Any
 from nbdist.worker import (
     collectives,
     devices,
+    launcher_calls,
     net,
+    non_interactive,
     process_group,
     profiling,
     release,
@@ -87,6 +89,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     RUNTIME.spec = dict(spec)
     threads = _apply_environment(options)
     notes = _apply_nccl_environment() if spec["backend"] == "nccl" else []
+    non_interactive.present_as_torchrun_worker(spec)  # what Lightning & co. check
     device = _pin_device(spec, options)
     shell = get_ipython()
     _define_names(shell, spec, device)
@@ -169,6 +172,7 @@ def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
 
     collectives.install()
     script_calls.install()  # a pasted script's init/destroy_process_group and rpc.init_rpc
+    launcher_calls.install(spec["rank"], spec["world_size"], shell)  # mp.spawn, !torchrun, ...
     shell.user_ns.update(
         rank=spec["rank"],
         world_size=spec["world_size"],
@@ -228,6 +232,7 @@ def _where() -> dict[str, Any] | None:
 def _pre_run_cell(*_: Any) -> None:
     collectives.TRACKER.reset_cell()
     script_calls.cell_started()
+    launcher_calls.cell_started()
     profiling.cell_started()  # a profiled cell's window starts here, not at the profiler's start
     if RUNTIME.agent is not None:
         RUNTIME.agent.cell_started()

@@ -41,20 +41,24 @@ def install() -> None:
     from torch.distributed import distributed_c10d
 
     if not hasattr(dist.init_process_group, "__nbdist_original__"):
-        dist.init_process_group = _wrap(distributed_c10d.init_process_group, _init_process_group)
-        dist.destroy_process_group = _wrap(distributed_c10d.destroy_process_group,
+        dist.init_process_group = wrap(distributed_c10d.init_process_group, _init_process_group)
+        dist.destroy_process_group = wrap(distributed_c10d.destroy_process_group,
                                            _destroy_process_group)
     try:
         from torch.distributed import rpc
     except ImportError:  # a torch built without RPC: nothing to wrap
         return
     if rpc.is_available() and not hasattr(rpc.init_rpc, "__nbdist_original__"):
-        rpc.init_rpc = _wrap(rpc.init_rpc, _init_rpc)
+        rpc.init_rpc = wrap(rpc.init_rpc, _init_rpc)
 
 
-def _wrap(original: Any, replacement: Any) -> Any:
+def wrap(original: Any, replacement: Any) -> Any:
+    """`replacement(original, *args, **kwargs)` in `original`'s clothes, marked as nbdist's (so an
+    install never wraps twice; `__wrapped__` is the original, for whoever needs it)."""
+
     @functools.wraps(original)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True  # IPython leaves this frame out of the user's traceback
         return replacement(original, *args, **kwargs)
 
     wrapper.__nbdist_original__ = original  # type: ignore[attr-defined]

@@ -11,6 +11,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from nbdist.worker.non_interactive import torchrun_environment
+
 
 class ScriptExit(Exception):
     """The script ended with `sys.exit(code)` and a code other than 0 / None."""
@@ -18,23 +20,6 @@ class ScriptExit(Exception):
     def __init__(self, path: str, code: object) -> None:
         super().__init__(f"{os.path.basename(path)} exited with code {code!r}")
         self.code = code
-
-
-def torchrun_environment(spec: dict[str, Any], run_id: str = "nbdist") -> dict[str, str]:
-    """The variables torchrun sets for a worker that are not already the rank's own (RANK,
-    LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set at start)."""
-    world_size = int(spec["world_size"])
-    local_world_size = int(spec["local_world_size"])
-    return {
-        "GROUP_RANK": str(int(spec["rank"]) // max(local_world_size, 1)),
-        "GROUP_WORLD_SIZE": str(max(world_size // max(local_world_size, 1), 1)),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(spec["rank"]),
-        "ROLE_WORLD_SIZE": str(world_size),
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": run_id,
-    }
 
 
 def run_script(path: str, argv: Sequence[str], namespace: dict[str, Any],

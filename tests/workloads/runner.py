@@ -25,6 +25,8 @@ WORKLOADS: dict[str, int] = {
     "tensor_parallel.py": 2,
     "rpc_parameter_server.py": 4,
     "trainer_snapshot.py": 2,
+    "lightning_fabric.py": 2,
+    "lightning_trainer.py": 2,
 }
 
 _MARKER = "# %%"
