@@ -26,6 +26,7 @@ for name, model in [("plain", Net()), ("ddp", build("ddp").model), ("fsdp", buil
 """
 
 
+@pytest.mark.fsdp2
 def test_breakdown_names_the_wrapping_each_model_got(ranks2: Cluster) -> None:
     ranks2.run(WRAPPINGS_CODE).raise_for_errors()
     got = ranks2.pull("got")[0]

@@ -83,6 +83,11 @@ class CellRun:
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
         self.cluster.telemetry.cell_has_metrics = False
+        if self.cluster.controller_lost:
+            # the direct channel could still run it, but nothing else works: say so before sending
+            self._controller_lost()
+            self._finalize()
+            return self.result
         try:
             ports = self._direct_ports()
             if ports is not None:
