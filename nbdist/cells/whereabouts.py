@@ -30,6 +30,15 @@ def where_text(cluster: ClusterCore, rank: int) -> str:
     return f"at {stack[-1]}" if stack else ""
 
 
+def cell_line(stack: list[str]) -> str:
+    """The innermost frame of the cell itself (``cell line 5``) in a stack from `where_of`, or
+    "": a stack that ends inside torch must not be reported by torch's line number."""
+    for frame in reversed(stack):
+        if frame.startswith("cell line"):
+            return frame.split(" in ")[0]
+    return ""
+
+
 def telemetry_time(cluster: ClusterCore, rank: int) -> float:
     """When the rank took its last telemetry sample (its clock, time.time()); 0.0 if never."""
     payload = cluster.telemetry.last_payload.get(rank) or {}
@@ -41,7 +50,7 @@ def blocked_in_collective(cluster: ClusterCore, rank: int) -> bool:
     backward, where DDP's reducer all-reduces gradients from C++ threads. A backward that is merely
     long is released too; on gloo that costs only a rebuild of the group (~0.05 s)."""
     where = where_of(cluster, rank)
-    if where.get("collective"):
+    if where.get("collective") or any(not e.completed for e in where.get("flight") or []):
         return True
     stack = where.get("stack") or []
     return (

@@ -241,11 +241,17 @@ def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
         )
         frame = frame.f_back
     lines.reverse()
-    # keep from the first cell frame on: the engine's own dispatch frames say nothing useful
-    for i, line in enumerate(lines):
-        if line.startswith("cell line"):
-            return lines[i:][-limit:]
-    return lines[-limit:]
+    # keep from the first cell frame on: the engine's own dispatch frames say nothing useful;
+    # a deep library stack (FSDP2's forward) must not push the cell's own last frame out
+    cell = [i for i, line in enumerate(lines) if line.startswith("cell line")]
+    if not cell:
+        return lines[-limit:]
+    kept = lines[cell[0]:]
+    if len(kept) <= limit:
+        return kept
+    innermost = cell[-1] - cell[0]
+    head = kept[:1] + ([kept[innermost]] if 0 < innermost < len(kept) - limit + 2 else [])
+    return head + kept[len(kept) - (limit - len(head)):]
 
 
 TRACKER = CollectiveTracker()

@@ -14,6 +14,14 @@ from typing import Any
 
 from nbdist import torch_support
 
+_GENERATION_STARTED = 0.0
+
+
+def generation_started() -> float:
+    """When this rank began joining its current generation (time.time()): the flight recorder's
+    entries before it belong to groups that no longer exist."""
+    return _GENERATION_STARTED
+
 
 def init_generation(
     backend: str,
@@ -36,6 +44,8 @@ def init_generation(
 
     from nbdist.worker import release
 
+    global _GENERATION_STARTED
+    _GENERATION_STARTED = time.time()
     started = time.perf_counter()
     sockets_before = release.socket_fds()
     os.environ["MASTER_ADDR"] = master_addr
