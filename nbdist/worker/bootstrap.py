@@ -14,6 +14,7 @@ from typing import Any
 
 from nbdist import torch_support
 from nbdist.worker import (
+    collective_checks,
     collectives,
     devices,
     flight_recorder,
@@ -32,7 +33,7 @@ from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
-from nbdist.worker.nccl_env import nccl_environment
+from nbdist.worker.nccl_env import dump_file_environment, nccl_environment
 from nbdist.worker.values import move_tensors
 
 
@@ -125,6 +126,7 @@ def _apply_nccl_environment() -> list[str]:
     """Errors instead of process exits from NCCL's watchdog (nbdist.worker.nccl_env)."""
     to_set, notes = nccl_environment(os.environ)
     os.environ.update(to_set)
+    os.environ.update(dump_file_environment(os.environ))
     return notes
 
 
@@ -134,13 +136,7 @@ def _apply_collective_checks(options: dict[str, Any]) -> list[str]:
     to_set, notes = flight_recorder.buffer_environment(
         int(options.get("flight_recorder_entries", 256)), os.environ)
     os.environ.update(to_set)
-    if options.get("check_collectives"):
-        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-    if "TORCH_DISTRIBUTED_DEBUG" in os.environ:
-        from torch._C import _distributed_c10d
-
-        _distributed_c10d.set_debug_level_from_env()  # torch read it once, at import
-    return notes
+    return notes + collective_checks.apply(bool(options.get("check_collectives")))
 
 
 def _apply_environment(options: dict[str, Any]) -> int:
