@@ -107,9 +107,10 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int],
     lines = []
     for rank in sorted(r for r, c in counts.items() if c < deepest and r not in waiting):
         if rank in run.pending:
+            where = where_text(cluster, rank) or "see its stack"
             lines.append(
-                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) {waiters} "
-                f"wait in: it is still running Python ({where_text(cluster, rank) or 'see its stack'})"
+                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) "
+                f"{waiters} wait in: it is still running Python ({where})"
             )
         else:
             lines.append(
@@ -119,7 +120,7 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int],
             )
     for rank in sorted(r for r, c in waiting.items() if c != deepest):
         lines.append(
-            f"desync: rank {rank} waits in collective #{waiting[rank]} while rank(s) {waiters} wait "
-            f"in #{deepest}: the ranks called a different number of collectives"
+            f"desync: rank {rank} waits in collective #{waiting[rank]} while rank(s) {waiters} "
+            f"wait in #{deepest}: the ranks called a different number of collectives"
         )
     return lines

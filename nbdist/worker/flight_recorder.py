@@ -55,7 +55,8 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
                 "Short": 2, "Char": 1, "Byte": 1, "Bool": 1}
 
 
-def buffer_environment(entries: int, current: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+def buffer_environment(entries: int,
+                       current: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
     """The buffer size to set (unless the user set one: theirs wins, with a note)."""
     for name in BUFFER_VARIABLES:
         if name in current:
