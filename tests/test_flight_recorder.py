@@ -171,3 +171,23 @@ def test_recent_collectives_side_by_side_and_the_trace_torchs_analyser_reads(clu
     assert ("nccl:all_reduce", ((5,),), True) in matched or ("gloo:all_reduce", ((5,),), True) \
         in matched, matched
     assert [(g.desc, g.size) for g in db.groups] == [("default group", 2)], db.groups
+
+
+def test_a_ddp_model_on_a_group_the_cell_destroyed_fails_fast_instead_of_hanging(
+        cluster2: Cluster):
+    # a pasted script's destroy_process_group(): nbdist re-forms the world, but a DDP model built
+    # before still holds the old group, connected; its next backward must not wait forever
+    cluster2.run("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                 "old = DDP(torch.nn.Linear(8, 8))\nkept = rank\n").raise_for_errors()
+    destroyed = cluster2.run("dist.destroy_process_group()", timeout=30)
+    assert any("re-formed" in a for a in destroyed.actions), destroyed.actions
+    pids = [p.pid for p in cluster2.ranks]
+    code = "loss = old(torch.ones(2, 8)).sum()\nif rank == 0:\n    loss.backward()\n"
+    started = time.perf_counter()
+    result = cluster2.run(code, timeout=DEADLINE)
+    assert time.perf_counter() - started < DEADLINE + 8
+    assert not any("killed" in a for a in result.actions), result.actions
+    assert 0 in result.errors, result.failure_message()
+    assert_all_alive_and_working(cluster2, pids)
+    assert cluster2.pull("kept") == {0: 0, 1: 1}
+    cluster2.run("del old").raise_for_errors()

@@ -27,6 +27,9 @@ def where_text(cluster: ClusterCore, rank: int) -> str:
     if coll:
         return f"in {coll['name']} at {coll['location']}"
     stack = where.get("stack") or []
+    line = cell_line(stack)
+    if stack and line and not stack[-1].startswith(line):
+        return f"at {line} ({stack[-1]})"
     return f"at {stack[-1]}" if stack else ""
 
 

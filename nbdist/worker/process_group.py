@@ -153,6 +153,9 @@ def teardown() -> bool:
     from nbdist.worker import release
 
     if not dist.is_available() or not dist.is_initialized():
+        # the cell destroyed the group, but a DDP model may still hold it connected: a collective
+        # on it would wait for a peer forever
+        release.shutdown_group_sockets()
         release.forget_group_sockets()
         return False
     nccl = release.uses_nccl(dist.get_backend())
