@@ -14,10 +14,12 @@ import time
 import pytest
 
 from nbdist import Cluster, torch_support
+from nbdist.worker import collective_checks
 from tests.sinks import RecordingSink
 
-pytestmark = pytest.mark.skipif(
-    not torch_support.has("flight-recorder"),
+HAS_RECORDER = torch_support.has("flight-recorder")
+needs_recorder = pytest.mark.skipif(
+    not HAS_RECORDER,
     reason="the flight recorder on gloo needs torch >= 2.8 (older: nbdist's own tracking)")
 
 DEADLINE = 3.0
@@ -48,6 +50,7 @@ def assert_all_alive_and_working(cluster: Cluster, pids: list[int]) -> None:
     assert value.raise_for_errors().grouped_values() == [([0, 1], "2.0")]
 
 
+@needs_recorder
 def test_ddp_rank_skipping_backward_is_named(cluster2: Cluster):
     cluster2.run(
         "from torch.nn.parallel import DistributedDataParallel as DDP\n"
@@ -76,9 +79,10 @@ def test_sub_group_skip_is_released_without_a_kill(cluster2: Cluster):
     code = "x = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(x, group=g)\n"
     result, seconds = run_to_deadline(cluster2, code)
     first = result.report[0]
-    assert first.startswith("rank 0 waits in all_reduce #1 of the group "), result.report
-    assert "(ranks 0, 1)" in first and "[3] Float" in first
-    assert "rank 1 never entered it: it finished the cell" in first
+    if HAS_RECORDER:
+        assert first.startswith("rank 0 waits in all_reduce #1 of the group "), result.report
+        assert "(ranks 0, 1)" in first and "[3] Float" in first
+        assert "rank 1 never entered it: it finished the cell" in first
     assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"
     assert not any("killed" in a for a in result.actions), result.actions
     assert any("made it fail" in a for a in result.actions), result.actions
@@ -86,6 +90,7 @@ def test_sub_group_skip_is_released_without_a_kill(cluster2: Cluster):
     assert cluster2.pull("kept") == {0: 0, 1: 10}
 
 
+@needs_recorder
 def test_different_collectives_at_one_sequence_id_are_named(cluster2: Cluster):
     code = "if rank == 0:\n    dist.all_reduce(torch.ones(4))\nelse:\n    dist.barrier()\n"
     result, seconds = run_to_deadline(cluster2, code)
@@ -97,6 +102,7 @@ def test_different_collectives_at_one_sequence_id_are_named(cluster2: Cluster):
         cluster2.restart()
 
 
+@needs_recorder
 def test_a_rank_killed_by_mismatched_sizes_is_named_with_the_sizes(cluster2: Cluster):
     code = "t = torch.ones(10 if rank == 0 else 20)\ndist.all_reduce(t)\n"
     result = cluster2.run(code, timeout=30)
@@ -114,6 +120,8 @@ def test_a_rank_killed_by_mismatched_sizes_is_named_with_the_sizes(cluster2: Clu
 def test_check_collectives_keeps_every_rank_alive_and_names_the_sizes(cluster_factory,
                                                                        fast_config):
     cluster = cluster_factory(2, config=fast_config.replace(check_collectives=True))
+    said = any("DistributedDataParallel crashes" in note for note in cluster.ranks[0].notes)
+    assert said == (not collective_checks.ddp_survives()), cluster.ranks[0].notes
     cluster.run("kept = rank").raise_for_errors()
     pids = [p.pid for p in cluster.ranks]
     code = "t = torch.ones(10 if rank == 0 else 20)\ndist.all_reduce(t)\n"
@@ -127,6 +135,7 @@ def test_check_collectives_keeps_every_rank_alive_and_names_the_sizes(cluster_fa
     assert cluster.pull("kept") == {0: 0, 1: 1}
 
 
+@needs_recorder
 @pytest.mark.fsdp2
 def test_fsdp2_rank_skipping_a_forward_is_named(cluster2: Cluster):
     cluster2.run(
@@ -148,6 +157,7 @@ def test_fsdp2_rank_skipping_a_forward_is_named(cluster2: Cluster):
     cluster2.run("del net").raise_for_errors()
 
 
+@needs_recorder
 def test_recent_collectives_side_by_side_and_the_trace_torchs_analyser_reads(cluster2: Cluster,
                                                                               tmp_path):
     cluster2.run("dist.all_reduce(torch.ones(5))\ndist.broadcast(torch.ones(7), src=0)\n"
