@@ -95,6 +95,8 @@ def test_different_collectives_at_one_sequence_id_are_named(cluster2: Cluster):
     code = "if rank == 0:\n    dist.all_reduce(torch.ones(4))\nelse:\n    dist.barrier()\n"
     result, seconds = run_to_deadline(cluster2, code)
     text = "\n".join(result.report)
+    assert re.fullmatch(r"ranks 0-1 wait in collective #\d+ of the default group, not the "
+                        r"same one \(see below\)", result.report[0]), result.report
     assert re.search(r"mismatch at collective #\d+ of the default group: "
                      r"rank 0: all_reduce \[4\] Float, rank 1: barrier", text), text
     assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"

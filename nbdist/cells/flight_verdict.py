@@ -34,9 +34,11 @@ def verdict(readings: Readings, doing: dict[int, str], hints: dict[int, str]) ->
         waiters = sorted(rank for rank, e in waiting.items() if e.seq == seq)
         first = waiting[waiters[0]]
         members = set(first.ranks) or set(readings)
+        what = describe(first, hints.get(waiters[0], ""))
+        if len({(waiting[r].op, waiting[r].sizes) for r in waiters}) > 1:
+            what = f"collective #{seq} of the {first.group}, not the same one (see below)"
         line = (f"rank{'s' if len(waiters) > 1 else ''} {format_ranks(waiters)} "
-                f"wait{'' if len(waiters) > 1 else 's'} in "
-                f"{describe(first, hints.get(waiters[0], ''))}")
+                f"wait{'' if len(waiters) > 1 else 's'} in {what}")
         missing = [
             f"rank {rank} never entered it: {_absent(on_group.get(rank), doing.get(rank, ''))}"
             for rank in sorted(members - set(waiters))
