@@ -88,6 +88,11 @@ def test_row1_with_a_ddp_model_holding_the_group(cluster: Cluster):
     )
     result = cluster.run(code, timeout=60)
     assert [e.rank for e in result.root_causes()] == [1]
+    named = ("all_reduce #\\d+ of the default group \\(gradients in backward\\(\\)\\)"
+             if torch_support.has("flight-recorder") else "gradient all-reduce in backward\\(\\)")
+    for rank in (0, 2, 3):
+        assert re.fullmatch(f"{named} at cell line 4", result.errors[rank].where), \
+            result.errors[rank].where
     assert not any("killed" in a for a in result.actions), result.actions
     assert all(p.state == "alive" for p in cluster.ranks)
     assert any("rebuilt" in a for a in result.actions), result.actions

@@ -216,12 +216,30 @@ def record_implicit_failure(tracker: CollectiveTracker, exc: BaseException) -> C
         if code.co_name in ("backward", "_engine_run_backward"):
             in_backward = True
         tb = tb.tb_next
-    name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
+    recorded = _recorded_name()
+    if recorded:
+        name = f"{recorded} (gradients in backward())" if in_backward else recorded
+    else:
+        name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
     call = CollectiveCall(name, cell_line, time.time(), tracker.count)
     tracker.failed_in = call
     tracker.group_broken = True
     _release_broken_group(exc)
     return call
+
+
+def _recorded_name() -> str:
+    """The collective torch's flight recorder saw this rank enter last, or "" without one."""
+    from nbdist.worker import flight_recorder
+
+    try:
+        found = flight_recorder.entries() if flight_recorder.available() else []
+    except Exception:  # the group is half torn down: the caller's own guess stands
+        return ""
+    if not found:
+        return ""
+    last = max(found, key=lambda entry: entry.since)
+    return f"{last.op} #{last.seq} of the {last.group}"
 
 
 def _call_dict(call: CollectiveCall | None) -> dict[str, Any] | None:
