@@ -209,6 +209,10 @@ def test_row6_stop_button_while_ranks_inside_a_collective(cluster: Cluster):
     timer.join()
     assert result.interrupted and elapsed < 1.5 + 10
     assert result.errors[3].kind == "interrupted"
+    if torch_support.has("flight-recorder"):
+        assert re.match(r"ranks 0-2 wait in barrier #\d+ of the default group \(at cell line 4\); "
+                        r"rank 3 never entered it: it is running Python at cell line 3",
+                        result.report[0]), result.report
     assert all(p.state == "alive" for p in cluster.ranks)
     assert any("rebuilt" in a for a in result.actions), result.actions
     assert_collective_works(cluster)

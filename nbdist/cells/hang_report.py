@@ -32,6 +32,14 @@ def hang_report(run: RunningCell) -> list[str]:
     return blocks + _desync_lines(run, counts, reports)
 
 
+def blocked_report(run: RunningCell) -> list[str]:
+    """For the stop button: the flight recorder's verdict alone (who waits in which collective,
+    who never entered it); nothing when no rank waits in one or the recorder is unavailable."""
+    finished = [r for r in run.targets if r not in run.pending]
+    readings = _readings(run, cell_reports(run.cluster, finished) if finished else {})
+    return flight_lines(run, readings) if readings is not None else []
+
+
 def _finished_state(run: RunningCell, rank: int) -> str:
     if run.cluster.ranks[rank].state == "dead":
         return "died during"

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from nbdist.cells.flight_verdict import CHECK_HINT, death_lines
-from nbdist.cells.hang_report import hang_report
+from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
 from nbdist.cells.rank_errors import classify_errors
@@ -119,6 +119,10 @@ class FaultPolicy:
         self.run.sink.on_status(
             f"nbdist: interrupting rank(s) {format_ranks(sorted(self.run.pending))} (stop button)"
         )
+        self.hang_report = blocked_report(self.run)
+        for line in self.hang_report:
+            self.run.sink.on_status(line)
+        self.run.result.report_shown = getattr(self.run.sink, "shows_status", True)
         self._climb_ladder(sorted(self.run.pending), reason="interrupt")
 
     def _climb_ladder(self, ranks: list[int], reason: str) -> None:
