@@ -162,6 +162,25 @@ def test_row3_desync_names_the_odd_rank(cluster: Cluster):
     assert_collective_works(cluster)
 
 
+def test_row22_a_device_mesh_dimension_one_member_skips_is_released_without_a_kill(
+        cluster: Cluster):
+    cluster.run("from torch.distributed.device_mesh import init_device_mesh\n"
+                "mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))\n"
+                "tp = mesh['tp'].get_group()\nkept = rank * 10\n").raise_for_errors()
+    pids = [p.pid for p in cluster.ranks]
+    result = cluster.run("x = torch.ones(5)\nif rank != 1:\n    dist.all_reduce(x, group=tp)\n",
+                         timeout=3)
+    assert result.timed_out
+    if torch_support.has("flight-recorder"):
+        assert re.match(r"rank 0 waits in all_reduce #\d+ of the group mesh_tp \(ranks 0, 1\) "
+                        r"\(at cell line 3, \[5\] Float, 20 B\); rank 1 never entered it: it "
+                        r"finished the cell", result.report[0]), result.report
+    assert not any("killed" in a for a in result.actions), result.actions
+    assert [p.pid for p in cluster.ranks] == pids
+    assert cluster.pull("kept") == {r: r * 10 for r in range(4)}
+    assert_collective_works(cluster)
+
+
 def test_row4_python_hang_shows_every_stack_and_keeps_state(cluster: Cluster):
     cluster.run("kept = rank").raise_for_errors()
     code = "def spin():\n    while True:\n        pass\nspin()\n"
