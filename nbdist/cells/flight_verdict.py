@@ -13,7 +13,8 @@ Readings = dict[int, list[EnteredCollective]]
 
 
 def describe(entry: EnteredCollective, hint: str = "") -> str:
-    """``all_reduce #9 of the default group (DDP gradient bucket, [1010] Float, 3.9 KiB)``."""
+    """``all_reduce #9 of the default group (gradients in backward() at cell line 3, [4160]
+    Float, 16.25 KiB)``: the hint (what the rank's stack says), then sizes, dtype, bytes."""
     dtype = ",".join(sorted(set(entry.dtypes)))
     shapes = f"{entry.shapes()} {dtype}, {format_bytes(entry.nbytes())}" if entry.sizes else ""
     detail = ", ".join(part for part in (hint, shapes) if part)
