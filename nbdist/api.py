@@ -12,6 +12,12 @@ from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells import debug as debugging
+from nbdist.cells.collectives_view import (
+    CollectivesView,
+    collectives_table,
+    recent_collectives,
+    save_trace,
+)
 from nbdist.cells.diff import FETCH_LIMIT, DiffReport, diff_ranks
 from nbdist.cells.profiling import collect_last_profile, run_profiled
 from nbdist.cells.result import CellResult
@@ -171,6 +177,19 @@ class Cluster(ClusterCore):
             self.poll_dead()
         job = self.batch_job
         return ClusterStatus.of(self, batch_job=job.summary() if job is not None else "")
+
+    def collectives(self, limit: int = 8) -> CollectivesView:
+        """Each rank's last `limit` collectives side by side, from torch's flight recorder: one
+        row per group and sequence id, operation and sizes per rank, mismatches named below."""
+        self._require_running()
+        return collectives_table(recent_collectives(self, limit))
+
+    def save_collectives_trace(self, directory: str | os.PathLike[str],
+                               stacks: bool = True) -> list[str]:
+        """Every rank's flight-recorder trace as one file per rank in `directory`, for torch's
+        analyser: ``python -m torch.distributed.flight_recorder.fr_trace DIRECTORY``."""
+        self._require_running()
+        return [str(path) for path in save_trace(self, directory, stacks)]
 
     def stop(self) -> list[int]:
         """Stop every process this cluster started, by PID (and close the TensorBoard file);

@@ -64,6 +64,15 @@ class NbdistConfig:
     that fails meanwhile is then known to block it within this, and only then is the group torn
     down (an error that every rank raised never touches it)."""
 
+    flight_recorder_entries: int = 256
+    """Collectives each rank's flight recorder keeps (``TORCH_FR_BUFFER_SIZE``; torch's own
+    default is 2000): the hang report reads the last ones of each group. 0 turns it off."""
+
+    check_collectives: bool = False
+    """Run every rank with ``TORCH_DISTRIBUTED_DEBUG=DETAIL``: torch compares each collective's
+    operation and shapes across ranks before running it, so a mismatch raises on every rank
+    instead of aborting one (docs/FAULTS.md says what it costs)."""
+
     stale_after: float = 5.0
     """A running rank that has sent no telemetry for this long is shown as stale."""
 

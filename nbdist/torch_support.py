@@ -35,6 +35,10 @@ FEATURES: dict[str, Feature] = {
         "a libuv TCPStore on a socket nbdist bound", (2, 8),
         r"NotImplementedError: The libuv TCPStore backend does not support initialization",
     ),
+    "flight-recorder": Feature(
+        "the flight recorder on gloo (_dump_fr_trace)", (2, 8),
+        r"AttributeError: .*has no attribute '_dump_fr_trace'",
+    ),
 }
 
 

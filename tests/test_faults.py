@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from nbdist import Cluster
+from nbdist import Cluster, torch_support
 from tests.sinks import RecordingSink
 
 ALL_REDUCE_OK = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
@@ -88,6 +88,11 @@ def test_row1_with_a_ddp_model_holding_the_group(cluster: Cluster):
     )
     result = cluster.run(code, timeout=60)
     assert [e.rank for e in result.root_causes()] == [1]
+    named = ("all_reduce #\\d+ of the default group \\(gradients in backward\\(\\)\\)"
+             if torch_support.has("flight-recorder") else "gradient all-reduce in backward\\(\\)")
+    for rank in (0, 2, 3):
+        assert re.fullmatch(f"{named} at cell line 4", result.errors[rank].where), \
+            result.errors[rank].where
     assert not any("killed" in a for a in result.actions), result.actions
     assert all(p.state == "alive" for p in cluster.ranks)
     assert any("rebuilt" in a for a in result.actions), result.actions
@@ -146,10 +151,33 @@ def test_row3_desync_names_the_odd_rank(cluster: Cluster):
     elapsed = time.perf_counter() - started
     assert result.timed_out and elapsed < 3 + 12
     report = "\n".join(result.report)
-    assert "desync: rank 1" in report
+    if torch_support.has("flight-recorder"):  # torch's record of the group's collectives
+        assert re.match(r"ranks 0,2-3 wait in barrier #\d+ of the default group \(at cell line 3\); "
+                        r"rank 1 never entered it: it finished the cell", report), report
+    else:  # nbdist's own count of the collectives each rank entered from Python
+        assert "desync: rank 1" in report
     assert "waiting in barrier #2 at cell line 3" in report
     if any(p.state != "alive" for p in cluster.ranks):
         cluster.restart()
+    assert_collective_works(cluster)
+
+
+def test_row22_a_device_mesh_dimension_one_member_skips_is_released_without_a_kill(
+        cluster: Cluster):
+    cluster.run("from torch.distributed.device_mesh import init_device_mesh\n"
+                "mesh = init_device_mesh('cpu', (2, 2), mesh_dim_names=('dp', 'tp'))\n"
+                "tp = mesh['tp'].get_group()\nkept = rank * 10\n").raise_for_errors()
+    pids = [p.pid for p in cluster.ranks]
+    result = cluster.run("x = torch.ones(5)\nif rank != 1:\n    dist.all_reduce(x, group=tp)\n",
+                         timeout=3)
+    assert result.timed_out
+    if torch_support.has("flight-recorder"):
+        assert re.match(r"rank 0 waits in all_reduce #\d+ of the group mesh_tp \(ranks 0, 1\) "
+                        r"\(at cell line 3, \[5\] Float, 20 B\); rank 1 never entered it: it "
+                        r"finished the cell", result.report[0]), result.report
+    assert not any("killed" in a for a in result.actions), result.actions
+    assert [p.pid for p in cluster.ranks] == pids
+    assert cluster.pull("kept") == {r: r * 10 for r in range(4)}
     assert_collective_works(cluster)
 
 
@@ -200,6 +228,10 @@ def test_row6_stop_button_while_ranks_inside_a_collective(cluster: Cluster):
     timer.join()
     assert result.interrupted and elapsed < 1.5 + 10
     assert result.errors[3].kind == "interrupted"
+    if torch_support.has("flight-recorder"):
+        assert re.match(r"ranks 0-2 wait in barrier #\d+ of the default group \(at cell line 4\); "
+                        r"rank 3 never entered it: it is running Python at cell line 3",
+                        result.report[0]), result.report
     assert all(p.state == "alive" for p in cluster.ranks)
     assert any("rebuilt" in a for a in result.actions), result.actions
     assert_collective_works(cluster)

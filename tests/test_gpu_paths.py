@@ -5,6 +5,7 @@ tests/test_gpu.py proves the same paths on a CUDA machine."""
 from __future__ import annotations
 
 import os
+import stat
 import threading
 
 import pytest
@@ -28,7 +29,7 @@ from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.devices import launcher_local_id
 from nbdist.worker.memory_sampler import nvml_uuids, physical_index
-from nbdist.worker.nccl_env import NCCL_ENVIRONMENT, nccl_environment
+from nbdist.worker.nccl_env import NCCL_ENVIRONMENT, dump_file_environment, nccl_environment
 from nbdist.worker.process_group import torch_backend
 from nbdist.worker.release import uses_nccl
 from nbdist.worker.values import move_tensors
@@ -80,6 +81,22 @@ def test_nccl_environment_keeps_what_the_user_set() -> None:
     assert "TORCH_NCCL_ENABLE_MONITORING" not in to_set  # same value: set, nothing to say
     assert notes == ["TORCH_NCCL_ASYNC_ERROR_HANDLING=3 is yours and kept (nbdist would set 2: "
                      "see docs/NCCL.md)"]
+
+
+def test_the_dump_on_timeout_goes_to_a_directory_only_the_rank_reads() -> None:
+    to_set = dump_file_environment({})
+    prefix = to_set["TORCH_FR_DUMP_TEMP_FILE"]
+    directory = os.path.dirname(prefix)
+    try:
+        assert os.path.basename(prefix) == "nccl_trace_rank_"
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        assert NCCL_ENVIRONMENT["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+        assert NCCL_ENVIRONMENT["TORCH_NCCL_ENABLE_MONITORING"] == "0"  # dump, but never exit
+        for mine in ({"TORCH_FR_DUMP_TEMP_FILE": "/x/t_"},
+                     {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}):
+            assert dump_file_environment(mine) == {}  # the user's wins, old name or new
+    finally:
+        os.rmdir(directory)
 
 
 # -- 5. per-task GPUs (Slurm --gpus-per-task, cgroups, MIG) and launcher order -------------------

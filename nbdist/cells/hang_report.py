@@ -1,32 +1,87 @@
-"""At a cell's deadline: where every rank is (collective and how long it waited, or its Python
-stack), and which rank the others wait for — one that is behind, or one that skipped a collective."""
+"""At a cell's deadline: first, from torch's flight recorder, who waits in which collective and
+which rank never entered it (or passed other sizes); then where every rank is (collective and how
+long it waited, or its Python stack). Without the recorder (torch < 2.8), nbdist's own count of
+the collectives each rank entered from Python names the rank that skipped one."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
 
+from nbdist.cells.flight_verdict import Readings, verdict
 from nbdist.cells.running import RunningCell, finished_with_error
-from nbdist.cells.whereabouts import cell_reports, where_of, where_text
+from nbdist.cells.whereabouts import cell_line, cell_reports, where_of, where_text
 from nbdist.cluster.ranks import format_ranks
 
 
 def hang_report(run: RunningCell) -> list[str]:
-    """The report's lines: one block per rank, then the desync finder's verdict, if any."""
-    report = [f"deadline of {run.timeout or 0:g} s reached; where each rank is:"]
+    """The report's lines: the verdict, then one block per rank."""
+    finished = [r for r in run.targets if r not in run.pending]
+    reports = cell_reports(run.cluster, finished) if finished else {}
+    blocks = [f"deadline of {run.timeout or 0:g} s reached; where each rank is:"]
     counts: dict[int, int] = {}
     for rank in run.targets:
         if rank in run.pending:
             counts[rank] = int(where_of(run.cluster, rank).get("collectives_entered", 0))
-            report.extend(_running_rank_lines(run, rank))
+            blocks.extend(_running_rank_lines(run, rank))
         else:
-            state = "failed" if finished_with_error(run, rank) else "finished"
-            report.append(f"  rank {rank}: {state} the cell")
-    return report + _desync_lines(run, counts)
+            blocks.append(f"  rank {rank}: {_finished_state(run, rank)} the cell")
+    readings = _readings(run, reports)
+    if readings is not None:
+        return flight_lines(run, readings) + blocks
+    return blocks + _desync_lines(run, counts, reports)
+
+
+def blocked_report(run: RunningCell) -> list[str]:
+    """For the stop button: the flight recorder's verdict alone (who waits in which collective,
+    who never entered it); nothing when no rank waits in one or the recorder is unavailable."""
+    finished = [r for r in run.targets if r not in run.pending]
+    readings = _readings(run, cell_reports(run.cluster, finished) if finished else {})
+    return flight_lines(run, readings) if readings is not None else []
+
+
+def _finished_state(run: RunningCell, rank: int) -> str:
+    if run.cluster.ranks[rank].state == "dead":
+        return "died during"
+    return "failed" if finished_with_error(run, rank) else "finished"
+
+
+def _readings(run: RunningCell, reports: dict[int, dict[str, Any]]) -> Readings | None:
+    """Every rank's flight-recorder reading; None when a rank has none (an older torch)."""
+    readings: Readings = {}
+    for rank in run.targets:
+        if rank in run.pending:
+            found = where_of(run.cluster, rank).get("flight")
+        else:
+            found = (reports.get(rank) or {}).get("flight")
+        if found is None and run.cluster.ranks[rank].state == "alive":
+            return None
+        readings[rank] = list(found or [])
+    return readings
+
+
+def flight_lines(run: RunningCell, readings: Readings) -> list[str]:
+    """The verdict lines, with what each rank does instead and what its stack says it waits in."""
+    doing: dict[int, str] = {}
+    hints: dict[int, str] = {}
+    for rank in run.targets:
+        if rank not in run.pending:
+            doing[rank] = f"it {_finished_state(run, rank)} the cell"
+            continue
+        stack = where_of(run.cluster, rank).get("stack") or []
+        line = cell_line(stack)
+        if any(frame.endswith(("in _engine_run_backward", "in run_backward")) for frame in stack):
+            hints[rank] = f"gradients in backward() at {line}" if line else "backward()"
+        elif line:
+            hints[rank] = f"at {line}"
+        doing[rank] = f"it is running Python{f' at {line}' if line else ''}"
+    return verdict(readings, doing, hints)
 
 
 def _running_rank_lines(run: RunningCell, rank: int) -> list[str]:
     where = where_of(run.cluster, rank)
     coll = where.get("collective")
+    stack = where.get("stack") or []
     if coll:
         waited = time.time() - float(coll.get("since", time.time()))
         lines = [
@@ -34,13 +89,16 @@ def _running_rank_lines(run: RunningCell, rank: int) -> list[str]:
             f"for {waited:.1f} s"
         ]
     else:
-        stack = where.get("stack") or []
-        lines = [f"  rank {rank}: running Python at {stack[-1] if stack else '?'}"]
-    lines.extend(f"      {line}" for line in (where.get("stack") or [])[-6:])
+        line = cell_line(stack)
+        inner = stack[-1] if stack else "?"
+        at = f"{line} (innermost: {inner})" if line and not inner.startswith(line) else inner
+        lines = [f"  rank {rank}: running Python at {at}"]
+    lines.extend(f"      {frame}" for frame in stack[-6:])
     return lines
 
 
-def _desync_lines(run: RunningCell, pending_counts: dict[int, int]) -> list[str]:
+def _desync_lines(run: RunningCell, pending_counts: dict[int, int],
+                  reports: dict[int, dict[str, Any]]) -> list[str]:
     """Name the rank the others wait for: one still in Python that has not reached the collective
     yet (a hang on that rank), or one that finished the cell after fewer collectives (it skipped
     one: a desync)."""
@@ -48,9 +106,8 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int]) -> list[str]
     waiting = {r: c for r, c in pending_counts.items() if where_of(cluster, r).get("collective")}
     if not waiting:
         return []  # nobody blocked in a collective: a plain hang, the stacks say it all
-    finished = [r for r in run.targets if r not in run.pending]
     counts = dict(pending_counts)
-    for rank, rep in cell_reports(cluster, finished).items():
+    for rank, rep in reports.items():
         counts[rank] = int(rep.get("collectives_entered", 0))
     deepest = max(waiting.values())
     coll = where_of(cluster, max(waiting, key=lambda r: waiting[r]))["collective"]
@@ -58,9 +115,10 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int]) -> list[str]
     lines = []
     for rank in sorted(r for r, c in counts.items() if c < deepest and r not in waiting):
         if rank in run.pending:
+            where = where_text(cluster, rank) or "see its stack"
             lines.append(
-                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) {waiters} "
-                f"wait in: it is still running Python ({where_text(cluster, rank) or 'see its stack'})"
+                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) "
+                f"{waiters} wait in: it is still running Python ({where})"
             )
         else:
             lines.append(
@@ -70,8 +128,7 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int]) -> list[str]
             )
     for rank in sorted(r for r, c in waiting.items() if c != deepest):
         lines.append(
-            f"desync: rank {rank} waits in collective #{waiting[rank]} while rank(s) {waiters} wait "
-            f"in #{deepest}: the ranks called a different number of collectives"
+            f"desync: rank {rank} waits in collective #{waiting[rank]} while rank(s) {waiters} "
+            f"wait in #{deepest}: the ranks called a different number of collectives"
         )
     return lines
-

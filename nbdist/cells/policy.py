@@ -15,7 +15,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nbdist.cells.hang_report import hang_report
+from nbdist.cells.flight_verdict import CHECK_HINT, death_lines
+from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
 from nbdist.cells.rank_errors import classify_errors
@@ -46,6 +47,7 @@ class FaultPolicy:
         self.killed: dict[int, str] = {}
         """rank -> why nbdist killed its engine (its death detail)."""
         self.hang_report: list[str] = []
+        self.started_wall = time.time()
 
     # ---------------------------------------------------------------- while the cell runs
     def while_waiting(self) -> None:
@@ -117,6 +119,10 @@ class FaultPolicy:
         self.run.sink.on_status(
             f"nbdist: interrupting rank(s) {format_ranks(sorted(self.run.pending))} (stop button)"
         )
+        self.hang_report = blocked_report(self.run)
+        for line in self.hang_report:
+            self.run.sink.on_status(line)
+        self.run.result.report_shown = getattr(self.run.sink, "shows_status", True)
         self._climb_ladder(sorted(self.run.pending), reason="interrupt")
 
     def _climb_ladder(self, ranks: list[int], reason: str) -> None:
@@ -151,9 +157,25 @@ class FaultPolicy:
             # thread, which in an engine forked from the fork server ran past 80 lines
             name_out_of_memory(result, self.config.memory_limit,
                                lambda rank: cluster.engine_log_tail(rank, 400))
+            self._name_collective_deaths(reports)
         if cluster.controller_lost:
             return
         self._recover(reports, destroyed)
+
+    def _name_collective_deaths(self, reports: dict[int, dict[str, Any]]) -> None:
+        """A rank died while its peers were inside a collective with it: say which, with the
+        sizes the survivors passed (their flight recorders outlive the dead rank's)."""
+        result = self.run.result
+        dead = sorted(r for r, e in result.errors.items() if e.kind == "dead")
+        readings = {r: list(rep.get("flight") or []) for r, rep in reports.items()}
+        lines = death_lines(dead, readings, self.started_wall) if dead else []
+        if not lines:
+            return
+        aborted = any("SIGABRT" in result.errors[r].evalue for r in dead)
+        if aborted and not self.config.check_collectives:
+            lines.append(CHECK_HINT)
+        for rank in dead:
+            result.errors[rank].traceback = "\n".join([*lines, result.errors[rank].traceback])
 
     def destroyed_by_cell(self) -> list[int]:
         """Ranks whose cell called dist.destroy_process_group() (a pasted script's last line):

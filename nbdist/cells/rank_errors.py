@@ -7,6 +7,7 @@ import re
 from typing import Any
 
 from nbdist.cells.result import CellResult, RankError
+from nbdist.worker.collectives import is_cell_file
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -24,9 +25,18 @@ def rank_error_from_remote(rank: int, error: Any) -> RankError:
     return RankError(rank=rank, kind=kind, ename=ename, evalue=evalue, traceback=traceback, where=where)
 
 
+_FRAME = re.compile(r'File "([^"]+)", line (\d+)|(Cell In\[\d+\]), line (\d+)|File (\S+):(\d+)')
+
+
 def _last_cell_line(traceback: str) -> str:
-    matches = re.findall(r"line (\d+)", _ANSI.sub("", traceback))
-    return f"cell line {matches[0]}" if matches else ""
+    """The innermost frame of the cell itself: a rank interrupted inside torch (DDP's backward)
+    has torch's frames below it, whose line numbers say nothing about the cell."""
+    lines: list[str] = []
+    for match in _FRAME.finditer(_ANSI.sub("", traceback)):
+        filename = match.group(1) or match.group(3) or match.group(5) or ""
+        if filename.startswith("Cell In") or is_cell_file(filename):
+            lines.append(match.group(2) or match.group(4) or match.group(6))
+    return f"cell line {lines[-1]}" if lines else ""
 
 
 def dead_rank_error(rank: int, detail: str, output: str, engine_log: str) -> RankError:

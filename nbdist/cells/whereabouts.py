@@ -27,7 +27,19 @@ def where_text(cluster: ClusterCore, rank: int) -> str:
     if coll:
         return f"in {coll['name']} at {coll['location']}"
     stack = where.get("stack") or []
+    line = cell_line(stack)
+    if stack and line and not stack[-1].startswith(line):
+        return f"at {line} ({stack[-1]})"
     return f"at {stack[-1]}" if stack else ""
+
+
+def cell_line(stack: list[str]) -> str:
+    """The innermost frame of the cell itself (``cell line 5``) in a stack from `where_of`, or
+    "": a stack that ends inside torch must not be reported by torch's line number."""
+    for frame in reversed(stack):
+        if frame.startswith("cell line"):
+            return frame.split(" in ")[0]
+    return ""
 
 
 def telemetry_time(cluster: ClusterCore, rank: int) -> float:
@@ -41,7 +53,7 @@ def blocked_in_collective(cluster: ClusterCore, rank: int) -> bool:
     backward, where DDP's reducer all-reduces gradients from C++ threads. A backward that is merely
     long is released too; on gloo that costs only a rebuild of the group (~0.05 s)."""
     where = where_of(cluster, rank)
-    if where.get("collective"):
+    if where.get("collective") or any(not e.completed for e in where.get("flight") or []):
         return True
     stack = where.get("stack") or []
     return (

@@ -122,6 +122,8 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "generation": generation,
         "telemetry_interval": config.telemetry_interval,
         "collective_report_interval": config.collective_report_interval,
+        "flight_recorder_entries": config.flight_recorder_entries,
+        "check_collectives": config.check_collectives,
         "telemetry_log_spacing": config.telemetry_log_spacing,
         "telemetry_start_delay": config.telemetry_start_delay,
         "socket_ifname": "lo" if master_addr.startswith("127.") else None,

@@ -18,7 +18,6 @@ from nbdist.api import Cluster
 from nbdist.cells.lint import lint, summary
 from nbdist.cells.result import CellResult
 from nbdist.cluster.ranks import BACKENDS, parse_ranks
-from nbdist.config import DEFAULT
 from nbdist.errors import NbdistError
 from nbdist.export import SessionLog, export_session
 from nbdist.notebook.options import (
@@ -29,6 +28,8 @@ from nbdist.notebook.options import (
     push_values,
     replaced_message,
     scripted_answers,
+    start_config,
+    started_message,
 )
 from nbdist.notebook.sink import NotebookSink
 
@@ -92,6 +93,8 @@ class DistMagics(Magics):
               help="default deadline for every %%%%distributed cell")
     @argument("--memory-limit", type=memory_size, default=None, metavar="SIZE",
               help="what each rank may allocate after start-up, e.g. 512MiB, 1GiB")
+    @argument("--check-collectives", action="store_true",
+              help="torch compares every collective's sizes across ranks first (slower)")
     @argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local",
               help="how ipyparallel starts the engines")
     @argument("--profile", default=None, metavar="P",
@@ -119,7 +122,7 @@ class DistMagics(Magics):
                   "(use %dist_stop first, or %dist_restart)")
             print(_CURRENT.status())
             return
-        config = DEFAULT if args.timeout is None else DEFAULT.replace(cell_timeout=args.timeout)
+        config = start_config(args.timeout, args.check_collectives)
         with _as_usage_error():
             launch = launcher_kwargs(
                 launcher=args.launcher, profile=args.profile, master_addr=args.master_addr,
@@ -134,13 +137,7 @@ class DistMagics(Magics):
         except NbdistError as exc:
             raise UsageError(f"%dist_start failed: {exc}\nNothing is left running.") from None
         _CURRENT = cluster
-        status = cluster.status()
-        print(f"nbdist: {cluster.world_size} rank(s) ready ({cluster.backend}) in "
-              f"{cluster.start_seconds:.1f} s; first all_reduce ok on every rank")
-        print(status.table())
-        if cluster.tensorboard is not None:
-            print(f"nbdist: TensorBoard scalars go to {cluster.tensorboard.run_dir} "
-                  f"(tensorboard --logdir {args.tensorboard})")
+        print(started_message(cluster, args.tensorboard))
 
     @magic_arguments(name="%distributed")  # shown with magic_arguments' own "%": %%distributed
     @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
@@ -207,14 +204,17 @@ class DistMagics(Magics):
             _close_output(sink)
         self._show_result(result, sink)
 
+    @magic_arguments()
+    @argument("--collectives", action="store_true", help="each rank's recent collectives")
     @line_magic
     def dist_status(self, line: str) -> Any:
-        """%dist_status: ranks, hosts, PIDs, devices, states."""
-        _no_arguments("dist_status", line)
+        """%dist_status: ranks, hosts, PIDs, devices, states; or --collectives side by side."""
+        args = _parse(self.dist_status, line)
         if _CURRENT is None:
             print("nbdist: no cluster running (start one with %dist_start)")
             return None
-        return _CURRENT.status()
+        with _as_usage_error("%dist_status: "):
+            return _CURRENT.collectives() if args.collectives else _CURRENT.status()
 
     @line_magic
     def dist_stop(self, line: str) -> None:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nbdist.cluster.memory_limit import memory_limit_bytes
+from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import NbdistError
 
 
@@ -96,6 +97,23 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
         else:
             raise NbdistError(f"%dist_push: {item!r} is not defined in the notebook")
     return values
+
+
+def start_config(timeout: float | None, check_collectives: bool) -> NbdistConfig:
+    """%dist_start's config: the defaults, with its --timeout and --check-collectives."""
+    config = DEFAULT if timeout is None else DEFAULT.replace(cell_timeout=timeout)
+    return config.replace(check_collectives=True) if check_collectives else config
+
+
+def started_message(cluster: Any, tensorboard: str | None) -> str:
+    """What %dist_start prints once the ranks are up: timing, the rank table, TensorBoard."""
+    lines = [f"nbdist: {cluster.world_size} rank(s) ready ({cluster.backend}) in "
+             f"{cluster.start_seconds:.1f} s; first all_reduce ok on every rank",
+             cluster.status().table()]
+    if cluster.tensorboard is not None:
+        lines.append(f"nbdist: TensorBoard scalars go to {cluster.tensorboard.run_dir} "
+                     f"(tensorboard --logdir {tensorboard})")
+    return "\n".join(lines)
 
 
 def replaced_message(replaced: list[int], seconds: float, generation: int) -> str:

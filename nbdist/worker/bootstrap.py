@@ -12,9 +12,12 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbdist import torch_support
 from nbdist.worker import (
+    collective_checks,
     collectives,
     devices,
+    flight_recorder,
     launcher_calls,
     net,
     non_interactive,
@@ -30,7 +33,7 @@ from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
-from nbdist.worker.nccl_env import nccl_environment
+from nbdist.worker.nccl_env import dump_file_environment, nccl_environment
 from nbdist.worker.values import move_tensors
 
 
@@ -89,6 +92,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     RUNTIME.spec = dict(spec)
     threads = _apply_environment(options)
     notes = _apply_nccl_environment() if spec["backend"] == "nccl" else []
+    notes += _apply_collective_checks(options)
     non_interactive.present_as_torchrun_worker(spec)  # what Lightning & co. check
     device = _pin_device(spec, options)
     shell = get_ipython()
@@ -122,7 +126,17 @@ def _apply_nccl_environment() -> list[str]:
     """Errors instead of process exits from NCCL's watchdog (nbdist.worker.nccl_env)."""
     to_set, notes = nccl_environment(os.environ)
     os.environ.update(to_set)
+    os.environ.update(dump_file_environment(os.environ))
     return notes
+
+
+def _apply_collective_checks(options: dict[str, Any]) -> list[str]:
+    """The flight recorder's buffer, and torch's cross-rank checks of every collective when asked
+    (both are read when a group is created, so before the first one)."""
+    to_set, notes = flight_recorder.buffer_environment(
+        int(options.get("flight_recorder_entries", 256)), os.environ)
+    os.environ.update(to_set)
+    return notes + collective_checks.apply(bool(options.get("check_collectives")))
 
 
 def _apply_environment(options: dict[str, Any]) -> int:
@@ -171,6 +185,7 @@ def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
     import torch.distributed as dist
 
     collectives.install()
+    release.watch_new_groups()  # a sub-group's collective is released like the world's
     script_calls.install()  # a pasted script's init/destroy_process_group and rpc.init_rpc
     launcher_calls.install(spec["rank"], spec["world_size"], shell)  # mp.spawn, !torchrun, ...
     shell.user_ns.update(
@@ -226,7 +241,9 @@ def _where() -> dict[str, Any] | None:
     agent = RUNTIME.agent
     if agent is None or not agent.cell_running:
         return None
-    return collectives.TRACKER.snapshot()
+    where = collectives.TRACKER.snapshot()
+    where["flight"] = flight_recorder.WATCHER.sample()
+    return where
 
 
 def _pre_run_cell(*_: Any) -> None:
@@ -286,7 +303,31 @@ def cell_report() -> dict[str, Any]:
         "group_broken": tracker.group_broken,
         "generation": RUNTIME.generation,
         "sequence": process_group.sequence_numbers(),
+        "flight": _flight_latest(),
     }
+
+
+def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective] | None:
+    """The last `limit` collectives this rank entered (None without the flight recorder)."""
+    if not flight_recorder.available():
+        return None
+    return flight_recorder.entries()[-limit:]
+
+
+def collectives_trace(stacks: bool) -> bytes:
+    """This rank's flight-recorder trace, as torch's analyser reads it."""
+    torch_support.require("flight-recorder")
+    return flight_recorder.analyser_trace(stacks)
+
+
+def _flight_latest() -> list[flight_recorder.EnteredCollective] | None:
+    """Per group the collective this (idle) rank last entered, from torch's flight recorder."""
+    if not flight_recorder.available():
+        return None
+    try:
+        return flight_recorder.latest(flight_recorder.entries())
+    except Exception:  # a group torn down under the dump: the report goes without it
+        return None
 
 
 def receive_values(values: dict[str, Any]) -> list[str]:

@@ -216,12 +216,30 @@ def record_implicit_failure(tracker: CollectiveTracker, exc: BaseException) -> C
         if code.co_name in ("backward", "_engine_run_backward"):
             in_backward = True
         tb = tb.tb_next
-    name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
+    recorded = _recorded_name()
+    if recorded:
+        name = f"{recorded} (gradients in backward())" if in_backward else recorded
+    else:
+        name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
     call = CollectiveCall(name, cell_line, time.time(), tracker.count)
     tracker.failed_in = call
     tracker.group_broken = True
     _release_broken_group(exc)
     return call
+
+
+def _recorded_name() -> str:
+    """The collective torch's flight recorder saw this rank enter last, or "" without one."""
+    from nbdist.worker import flight_recorder
+
+    try:
+        found = flight_recorder.entries() if flight_recorder.available() else []
+    except Exception:  # the group is half torn down: the caller's own guess stands
+        return ""
+    if not found:
+        return ""
+    last = max(found, key=lambda entry: entry.since)
+    return f"{last.op} #{last.seq} of the {last.group}"
 
 
 def _call_dict(call: CollectiveCall | None) -> dict[str, Any] | None:
@@ -241,11 +259,17 @@ def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
         )
         frame = frame.f_back
     lines.reverse()
-    # keep from the first cell frame on: the engine's own dispatch frames say nothing useful
-    for i, line in enumerate(lines):
-        if line.startswith("cell line"):
-            return lines[i:][-limit:]
-    return lines[-limit:]
+    # keep from the first cell frame on: the engine's own dispatch frames say nothing useful;
+    # a deep library stack (FSDP2's forward) must not push the cell's own last frame out
+    cell = [i for i, line in enumerate(lines) if line.startswith("cell line")]
+    if not cell:
+        return lines[-limit:]
+    kept = lines[cell[0]:]
+    if len(kept) <= limit:
+        return kept
+    innermost = cell[-1] - cell[0]
+    head = kept[:1] + ([kept[innermost]] if 0 < innermost < len(kept) - limit + 2 else [])
+    return head + kept[len(kept) - (limit - len(head)):]
 
 
 TRACKER = CollectiveTracker()

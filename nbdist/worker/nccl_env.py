@@ -6,6 +6,8 @@ ProcessGroupNCCL reads these when a group is created, so they are set before the
 
 from __future__ import annotations
 
+import os
+import tempfile
 from collections.abc import Mapping
 
 NCCL_ENVIRONMENT: dict[str, str] = {
@@ -15,8 +17,12 @@ NCCL_ENVIRONMENT: dict[str, str] = {
     # the heartbeat monitor ends the process once the watchdog is stuck or after a timeout dump:
     # in a notebook the interrupt ladder and the user decide when an engine dies
     "TORCH_NCCL_ENABLE_MONITORING": "0",
-    # a dump on timeout needs the monitor, and its wait delays the abort by seconds
-    "TORCH_NCCL_DUMP_ON_TIMEOUT": "0",
+    # the flight recorder's dump on a timeout or error runs in the monitor thread, which runs
+    # (and, with monitoring off, only logs where it would have ended the process) either way
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    # after any failed or timed-out collective the watchdog sleeps 4 times this before it aborts
+    # and the cell sees the error (torch's 15 s: a minute); the dump gets this long, twice
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",
 }
 """Variable -> the value nbdist sets on an NCCL rank unless the user set it already."""
 
@@ -34,3 +40,17 @@ def nccl_environment(current: Mapping[str, str]) -> tuple[dict[str, str], list[s
             notes.append(f"{name}={theirs} is yours and kept (nbdist would set {value}: "
                          "see docs/NCCL.md)")
     return to_set, notes
+
+
+DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+"""Where the dump on timeout goes: the file name is the value followed by the rank (torch
+reads the first one set; the second is the older name; its default is /tmp/nccl_trace_rank_)."""
+
+
+def dump_file_environment(current: Mapping[str, str]) -> dict[str, str]:
+    """The dump's prefix in a directory only this rank's user can read, unless the user chose
+    one."""
+    if any(name in current for name in DUMP_FILE_VARIABLES):
+        return {}
+    directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
+    return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}

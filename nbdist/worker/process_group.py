@@ -14,6 +14,14 @@ from typing import Any
 
 from nbdist import torch_support
 
+_GENERATION_STARTED = 0.0
+
+
+def generation_started() -> float:
+    """When this rank began joining its current generation (time.time()): the flight recorder's
+    entries before it belong to groups that no longer exist."""
+    return _GENERATION_STARTED
+
 
 def init_generation(
     backend: str,
@@ -36,6 +44,8 @@ def init_generation(
 
     from nbdist.worker import release
 
+    global _GENERATION_STARTED
+    _GENERATION_STARTED = time.time()
     started = time.perf_counter()
     sockets_before = release.socket_fds()
     os.environ["MASTER_ADDR"] = master_addr
@@ -143,6 +153,9 @@ def teardown() -> bool:
     from nbdist.worker import release
 
     if not dist.is_available() or not dist.is_initialized():
+        # the cell destroyed the group, but a DDP model may still hold it connected: a collective
+        # on it would wait for a peer forever
+        release.shutdown_group_sockets()
         release.forget_group_sockets()
         return False
     nccl = release.uses_nccl(dist.get_backend())

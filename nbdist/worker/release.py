@@ -74,9 +74,30 @@ def socket_fds() -> dict[int, str]:
 def record_group_sockets(before: dict[int, str]) -> int:
     """After a generation is created: remember the sockets that appeared since `before`."""
     after = socket_fds()
-    _GROUP_SOCKETS.clear()
     _GROUP_SOCKETS.update({fd: inode for fd, inode in after.items() if before.get(fd) != inode})
     return len(_GROUP_SOCKETS)
+
+
+def watch_new_groups() -> None:
+    """Record the sockets of every group created later too (``new_group``, a DeviceMesh's
+    dimensions): a collective one member of a sub-group skips is released like the world's.
+    Every way torch creates a group goes through this one private helper (torch 2.6 to 2.13)."""
+    from torch.distributed import distributed_c10d
+
+    create = distributed_c10d._new_process_group_helper
+    if hasattr(create, "__nbdist_original__"):
+        return
+
+    def recorded(*args: object, **kwargs: object) -> object:
+        before = socket_fds()
+        group = create(*args, **kwargs)
+        after = socket_fds()
+        _GROUP_SOCKETS.update({fd: inode for fd, inode in after.items()
+                               if before.get(fd) != inode})
+        return group
+
+    recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
+    distributed_c10d._new_process_group_helper = recorded
 
 
 def forget_group_sockets() -> None:

@@ -1,0 +1,205 @@
+"""Hang and failure reports read from torch's flight recorder, with real engines on gloo: the
+collective every rank waits in or never entered (DDP's backward, FSDP2's gathers, a sub-group),
+the error line at the cell's own line, and a sub-group hang released without a kill."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from nbdist import Cluster, torch_support
+from nbdist.worker import collective_checks
+from tests.sinks import RecordingSink
+
+HAS_RECORDER = torch_support.has("flight-recorder")
+needs_recorder = pytest.mark.skipif(
+    not HAS_RECORDER,
+    reason="the flight recorder on gloo needs torch >= 2.8 (older: nbdist's own tracking)")
+
+DEADLINE = 3.0
+
+
+def run_to_deadline(cluster: Cluster, code: str) -> tuple[object, float]:
+    """Run `code` to its deadline; returns the result and the seconds from the deadline to the
+    report's first line."""
+    sink = RecordingSink()
+    shown: list[float] = []
+    on_status = sink.on_status
+
+    def timed(text: str) -> None:
+        shown.append(time.perf_counter())
+        on_status(text)
+
+    sink.on_status = timed  # type: ignore[method-assign]
+    started = time.perf_counter()
+    result = cluster.run(code, timeout=DEADLINE, sink=sink)
+    assert result.timed_out, result.report
+    return result, shown[0] - started - DEADLINE
+
+
+def assert_all_alive_and_working(cluster: Cluster, pids: list[int]) -> None:
+    assert [p.pid for p in cluster.ranks] == pids
+    assert all(p.state == "alive" for p in cluster.ranks)
+    value = cluster.run("t = torch.ones(1)\ndist.all_reduce(t)\nt.item()", timeout=30)
+    assert value.raise_for_errors().grouped_values() == [([0, 1], "2.0")]
+
+
+@needs_recorder
+def test_ddp_rank_skipping_backward_is_named(cluster2: Cluster):
+    cluster2.run(
+        "from torch.nn.parallel import DistributedDataParallel as DDP\n"
+        "ddp = DDP(torch.nn.Linear(64, 64))\n"
+        "kept = rank\n"
+    ).raise_for_errors()
+    pids = [p.pid for p in cluster2.ranks]
+    code = "loss = ddp(torch.randn(8, 64)).sum()\nif rank == 0:\n    loss.backward()\n"
+    result, seconds = run_to_deadline(cluster2, code)
+    first = result.report[0]
+    assert first.startswith("rank 0 waits in all_reduce #"), result.report
+    assert "of the default group (gradients in backward() at cell line 3, [4160] Float" in first
+    assert "rank 1 never entered it: it finished the cell" in first
+    assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"
+    assert result.errors[0].where == "cell line 3", result.errors[0].where
+    assert "cell line 3" in result.failure_message()
+    assert "979" not in result.failure_message().splitlines()[2]
+    assert_all_alive_and_working(cluster2, pids)
+    assert cluster2.pull("kept") == {0: 0, 1: 1}
+    cluster2.run("del ddp").raise_for_errors()
+
+
+def test_sub_group_skip_is_released_without_a_kill(cluster2: Cluster):
+    cluster2.run("kept = rank * 10\ng = dist.new_group([0, 1])").raise_for_errors()
+    pids = [p.pid for p in cluster2.ranks]
+    code = "x = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(x, group=g)\n"
+    result, seconds = run_to_deadline(cluster2, code)
+    first = result.report[0]
+    if HAS_RECORDER:
+        assert first.startswith("rank 0 waits in all_reduce #1 of the group "), result.report
+        assert "(ranks 0, 1)" in first and "[3] Float" in first
+        assert "rank 1 never entered it: it finished the cell" in first
+    assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"
+    assert not any("killed" in a for a in result.actions), result.actions
+    assert any("made it fail" in a for a in result.actions), result.actions
+    assert_all_alive_and_working(cluster2, pids)
+    assert cluster2.pull("kept") == {0: 0, 1: 10}
+
+
+@needs_recorder
+def test_different_collectives_at_one_sequence_id_are_named(cluster2: Cluster):
+    code = "if rank == 0:\n    dist.all_reduce(torch.ones(4))\nelse:\n    dist.barrier()\n"
+    result, seconds = run_to_deadline(cluster2, code)
+    text = "\n".join(result.report)
+    assert re.fullmatch(r"ranks 0-1 wait in collective #\d+ of the default group, not the "
+                        r"same one \(see below\)", result.report[0]), result.report
+    assert re.search(r"mismatch at collective #\d+ of the default group: "
+                     r"rank 0: all_reduce \[4\] Float, rank 1: barrier", text), text
+    assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"
+    if any(p.state != "alive" for p in cluster2.ranks):
+        cluster2.restart()
+
+
+@needs_recorder
+def test_a_rank_killed_by_mismatched_sizes_is_named_with_the_sizes(cluster2: Cluster):
+    code = "t = torch.ones(10 if rank == 0 else 20)\ndist.all_reduce(t)\n"
+    result = cluster2.run(code, timeout=30)
+    dead = [r for r, e in result.errors.items() if e.kind == "dead"]
+    assert len(dead) == 1, result.failure_message()
+    survivor = 1 - dead[0]
+    size = 10 if survivor == 0 else 20
+    message = result.failure_message()
+    assert (f"when rank {dead[0]} died, rank {survivor} was in all_reduce #" in message
+            and f"of the default group ([{size}] Float" in message), message
+    assert "--check-collectives" in message
+    cluster2.restart()
+
+
+def test_check_collectives_keeps_every_rank_alive_and_names_the_sizes(cluster_factory,
+                                                                       fast_config):
+    cluster = cluster_factory(2, config=fast_config.replace(check_collectives=True))
+    said = any("DistributedDataParallel crashes" in note for note in cluster.ranks[0].notes)
+    assert said == (not collective_checks.ddp_survives()), cluster.ranks[0].notes
+    cluster.run("kept = rank").raise_for_errors()
+    pids = [p.pid for p in cluster.ranks]
+    code = "t = torch.ones(10 if rank == 0 else 20)\ndist.all_reduce(t)\n"
+    result = cluster.run(code, timeout=30)
+    assert sorted(e.rank for e in result.root_causes()) == [0, 1], result.failure_message()
+    for err in result.errors.values():
+        assert "Detected mismatch between collectives" in err.evalue
+        assert re.search(r"Tensor shapes: (10vs 20|20vs 10)", err.evalue), err.evalue
+    assert "--check-collectives" not in result.failure_message()
+    assert_all_alive_and_working(cluster, pids)
+    assert cluster.pull("kept") == {0: 0, 1: 1}
+
+
+@needs_recorder
+@pytest.mark.fsdp2
+def test_fsdp2_rank_skipping_a_forward_is_named(cluster2: Cluster):
+    cluster2.run(
+        "from torch.distributed.fsdp import fully_shard\n"
+        "net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Linear(16, 16))\n"
+        "fully_shard(net)\n"
+        "net(torch.ones(2, 16)).sum().backward()\n"
+    ).raise_for_errors()
+    pids = [p.pid for p in cluster2.ranks]
+    code = "x = torch.ones(2, 16)\nif rank == 0:\n    y = net(x)\n"
+    result, seconds = run_to_deadline(cluster2, code)
+    first = result.report[0]
+    assert first.startswith("rank 0 waits in "), result.report
+    assert "of the default group (at cell line 3" in first, first
+    assert "rank 1 never entered it: it finished the cell" in first
+    assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"
+    assert result.errors[0].where == "cell line 3", result.errors[0].where
+    assert_all_alive_and_working(cluster2, pids)
+    cluster2.run("del net").raise_for_errors()
+
+
+@needs_recorder
+def test_recent_collectives_side_by_side_and_the_trace_torchs_analyser_reads(cluster2: Cluster,
+                                                                              tmp_path):
+    cluster2.run("dist.all_reduce(torch.ones(5))\ndist.broadcast(torch.ones(7), src=0)\n"
+                 ).raise_for_errors()
+    table = repr(cluster2.collectives(limit=4))
+    lines = table.splitlines()
+    assert lines[0].split() == ["group", "#", "rank", "0", "rank", "1"], table
+    assert re.search(r"default group\s+\d+\s+all_reduce \[5\]\s+all_reduce \[5\]", table), table
+    assert re.search(r"default group\s+\d+\s+broadcast \[7\]\s+broadcast \[7\]", table), table
+    paths = cluster2.save_collectives_trace(tmp_path / "trace", stacks=False)
+    assert [os.path.basename(p) for p in paths] == ["nbdist_fr_rank0", "nbdist_fr_rank1"]
+    analysed = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.flight_recorder.fr_trace",
+         str(tmp_path / "trace"), "--prefix", "nbdist_fr_rank", "-o", str(tmp_path / "db")],
+        capture_output=True, text=True, timeout=120)
+    assert analysed.returncode == 0, analysed.stderr[-2000:]
+    with open(tmp_path / "db", "rb") as db_file:
+        _types, db = pickle.load(db_file)
+    matched = {(c.collective_name, tuple(map(tuple, c.input_sizes)), c.pass_check)
+               for c in db.collectives}
+    assert ("nccl:all_reduce", ((5,),), True) in matched or ("gloo:all_reduce", ((5,),), True) \
+        in matched, matched
+    assert [(g.desc, g.size) for g in db.groups] == [("default group", 2)], db.groups
+
+
+def test_a_ddp_model_on_a_group_the_cell_destroyed_fails_fast_instead_of_hanging(
+        cluster2: Cluster):
+    # a pasted script's destroy_process_group(): nbdist re-forms the world, but a DDP model built
+    # before still holds the old group, connected; its next backward must not wait forever
+    cluster2.run("from torch.nn.parallel import DistributedDataParallel as DDP\n"
+                 "old = DDP(torch.nn.Linear(8, 8))\nkept = rank\n").raise_for_errors()
+    destroyed = cluster2.run("dist.destroy_process_group()", timeout=30)
+    assert any("re-formed" in a for a in destroyed.actions), destroyed.actions
+    pids = [p.pid for p in cluster2.ranks]
+    code = "loss = old(torch.ones(2, 8)).sum()\nif rank == 0:\n    loss.backward()\n"
+    started = time.perf_counter()
+    result = cluster2.run(code, timeout=DEADLINE)
+    assert time.perf_counter() - started < DEADLINE + 8
+    assert not any("killed" in a for a in result.actions), result.actions
+    assert 0 in result.errors, result.failure_message()
+    assert_all_alive_and_working(cluster2, pids)
+    assert cluster2.pull("kept") == {0: 0, 1: 1}
+    cluster2.run("del old").raise_for_errors()
