@@ -333,7 +333,8 @@ class CellRun:
         detail = self.policy.killed.get(rank) or self.cluster.ranks[rank].exit_detail or "engine process exited"
         md = self.metadata.get(rank, {})
         output = (md.get("stdout") or "") + (md.get("stderr") or "")
-        return dead_rank_error(rank, detail, output, self.cluster.engine_log_tail(rank, 80))
+        # faulthandler dumps every thread after its "Fatal Python error" line: read past them
+        return dead_rank_error(rank, detail, output, self.cluster.engine_log_tail(rank, 400))
 
 
 def _exception_of(ar: Any) -> Any:
