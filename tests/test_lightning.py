@@ -17,8 +17,11 @@ from nbdist import Cluster
 from nbdist.config import NbdistConfig
 
 # find_spec, not importorskip: importing Lightning here would change this process's os.environ
-pytestmark = pytest.mark.skipif(find_spec("lightning") is None,
-                                reason="Lightning is not installed (the frameworks extra)")
+pytestmark = [
+    pytest.mark.frameworks,
+    pytest.mark.skipif(find_spec("lightning") is None,
+                       reason="Lightning is not installed (the frameworks extra)"),
+]
 
 SETUP = """
 import psutil, torch, lightning as L

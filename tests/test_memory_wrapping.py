@@ -89,6 +89,7 @@ def measure(trainer):
 """
 
 
+@pytest.mark.frameworks
 @NEEDS_TRANSFORMERS
 def test_trainer_asked_for_fsdp_on_cpu_is_reported_as_ddp(ranks2: Cluster, tmp_path) -> None:
     ranks2.run(TRAINER_CODE).raise_for_errors()

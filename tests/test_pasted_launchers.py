@@ -208,6 +208,7 @@ def test_a_process_that_is_not_one_per_rank_is_a_real_process(cluster: Cluster) 
     assert cluster.pull("codes") == {0: (True, 0), 1: (True, 0)}
 
 
+@pytest.mark.frameworks
 @pytest.mark.skipif(find_spec("accelerate") is None,
                     reason="accelerate is not installed (the frameworks extra)")
 def test_accelerate_notebook_launcher_runs_in_place(cluster: Cluster) -> None:
