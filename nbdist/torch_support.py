@@ -25,6 +25,11 @@ class Feature:
     symptom: str
     """A regular expression matched against ``"ExceptionName: message"`` of the failure."""
 
+    @property
+    def requirement(self) -> str:
+        """``"FSDP2 (fully_shard) on CPU needs torch >= 2.7"``."""
+        return f"{self.title} needs torch >= {_dotted(self.minimum)}"
+
 
 FEATURES: dict[str, Feature] = {
     "fsdp2-cpu": Feature(
@@ -54,23 +59,24 @@ def _dotted(version: tuple[int, int]) -> str:
     return f"{version[0]}.{version[1]}"
 
 
+def _this_torch(torch_version: str | None) -> str:
+    if torch_version is not None:
+        return torch_version
+    import torch
+
+    return str(torch.__version__)
+
+
 def has(feature: str, torch_version: str | None = None) -> bool:
     """Whether ``torch_version`` (default: this process's) has `feature`."""
-    if torch_version is None:
-        import torch
-
-        torch_version = str(torch.__version__)
-    return version_tuple(torch_version) >= FEATURES[feature].minimum
+    return version_tuple(_this_torch(torch_version)) >= FEATURES[feature].minimum
 
 
 def require(feature: str, torch_version: str | None = None) -> None:
     """Raise `TorchTooOldError` when ``torch_version`` (default: this process's) lacks `feature`."""
+    torch_version = _this_torch(torch_version)
     if not has(feature, torch_version):
-        import torch
-
-        needed = FEATURES[feature]
-        raise TorchTooOldError(f"{needed.title} needs torch >= {_dotted(needed.minimum)}; "
-                               f"this rank has {torch_version or torch.__version__}.")
+        raise TorchTooOldError(f"{FEATURES[feature].requirement}; this rank has {torch_version}.")
 
 
 def hint(ename: str, evalue: str, torch_version: str) -> str | None:
@@ -78,8 +84,7 @@ def hint(ename: str, evalue: str, torch_version: str) -> str | None:
     failure = f"{ename}: {evalue}"
     for needed in FEATURES.values():
         if version_tuple(torch_version) < needed.minimum and re.search(needed.symptom, failure):
-            return (f"{needed.title} needs torch >= {_dotted(needed.minimum)}; "
-                    f"this rank has {torch_version}.")
+            return f"{needed.requirement}; this rank has {torch_version}."
     return None
 
 

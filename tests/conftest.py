@@ -25,9 +25,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skipped, with the version it needs, on a torch that lacks it (.ci/floor-suite)."""
     if torch_support.has("fsdp2-cpu"):
         return
-    needed = torch_support.FEATURES["fsdp2-cpu"]
-    skip = pytest.mark.skip(reason=f"{needed.title} needs torch >= "
-                                   f"{needed.minimum[0]}.{needed.minimum[1]}")
+    skip = pytest.mark.skip(reason=torch_support.FEATURES["fsdp2-cpu"].requirement)
     for item in items:
         callspec = getattr(item, "callspec", None)
         device = callspec.params.get("device", "cpu") if callspec else "cpu"
