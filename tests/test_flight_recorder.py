@@ -20,7 +20,7 @@ from tests.sinks import RecordingSink
 HAS_RECORDER = torch_support.has("flight-recorder")
 needs_recorder = pytest.mark.skipif(
     not HAS_RECORDER,
-    reason="the flight recorder on gloo needs torch >= 2.8 (older: nbdist's own tracking)")
+    reason="nbdist reads the flight recorder from torch 2.13 (older: its own tracking)")
 
 DEADLINE = 3.0
 

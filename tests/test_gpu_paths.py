@@ -210,6 +210,26 @@ def test_pulled_values_have_every_tensor_moved() -> None:
     assert move_tensors(plain, "cpu") is plain  # nothing to move: no copy
 
 
+def test_a_pulled_value_of_a_class_only_the_ranks_define_is_refused_at_once(
+        cluster2: Cluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    import collections
+    import sys
+    import time
+
+    cluster2.run("import collections\nPair = collections.namedtuple('Pair', 'x y')\n"
+                 "pair = Pair(torch.ones(1), {'w': torch.zeros(2)})").raise_for_errors()
+    started = time.perf_counter()
+    with pytest.raises(NbdistError, match=r"pull 'pair' from rank 0: .*holds Pair, defined in a "
+                                          r"cell on the ranks, which the notebook does not define"):
+        cluster2.pull("pair")
+    assert time.perf_counter() - started < 10  # ipyparallel used to drop the reply: 120 s, no cause
+    # the same definition in the notebook (its __main__) is what the pickle is rebuilt with
+    monkeypatch.setattr(sys.modules["__main__"], "Pair",
+                        collections.namedtuple("Pair", "x y", module="__main__"), raising=False)
+    pulled = cluster2.pull("pair")
+    assert pulled[1].x.tolist() == [1.0] and pulled[1].y["w"].tolist() == [0.0, 0.0]
+
+
 def test_nvml_finds_mig_instances_and_never_guesses_gpu_0() -> None:
     assert nvml_uuids("6f7e-aa") == ["GPU-6f7e-aa", "MIG-6f7e-aa"]
     assert nvml_uuids("MIG-6f7e-aa") == ["MIG-6f7e-aa"]

@@ -160,6 +160,25 @@ def test_7_cpu_ranks_on_a_gpu_host_stay_on_the_cpu(fast_config):
         cluster.stop()
 
 
+def test_7_more_ranks_than_gpus_run_on_the_cpu_unless_nccl_is_asked_for(fast_config):
+    from nbdist.errors import NbdistError, NbdistWarning
+
+    with pytest.warns(NbdistWarning, match=f"start -n {GPUS};"):
+        cluster = Cluster(n=GPUS + 1, config=fast_config).start()
+    try:
+        assert cluster.backend == "gloo"
+        code = ("from deepspeed.accelerator import get_accelerator\n"
+                "(str(device), dist.get_backend(), get_accelerator().device_name())")
+        result = cluster.run(code, timeout=120)
+        # DeepSpeed on a GPU host would take CUDA and set_device(LOCAL_RANK): invalid for rank 1
+        assert result.raise_for_errors().grouped_values() == [
+            (list(range(GPUS + 1)), "('cpu', 'gloo', 'cpu')")]
+    finally:
+        cluster.stop()
+    with pytest.raises(NbdistError, match=f"but {GPUS} are visible"):
+        Cluster(n=GPUS + 1, backend="nccl", config=fast_config).start()
+
+
 def test_8_the_users_peak_counter_spans_cells(nccl_cluster: Cluster):
     nccl_cluster.run("torch.cuda.reset_peak_memory_stats(device)\n"
                      "big = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)\n"
@@ -184,8 +203,15 @@ def test_9_a_logged_cuda_value_is_read_without_waiting(nccl_cluster: Cluster):
         (list(range(nccl_cluster.world_size)), "(False, True, True, 1.0)")]
 
 
-def test_10_pulled_and_consolidated_values_arrive_on_the_cpu(nccl_cluster: Cluster, tmp_path: Path):
+def test_10_pulled_and_consolidated_values_arrive_on_the_cpu(nccl_cluster: Cluster, tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    import collections
+
     from nbdist.strategies.checkpoint import _deepspeed_full_state
+
+    # a notebook that pulls a cell-defined class defines it too (test_gpu_paths: else refused)
+    monkeypatch.setattr(sys.modules["__main__"], "Pair",
+                        collections.namedtuple("Pair", "x y", module="__main__"), raising=False)
 
     folder = tmp_path / "ds"
     nccl_cluster.run(

@@ -2,15 +2,17 @@
 
 import pytest
 
+from nbdist.cluster.rank_setup import gpus_or_cpu
 from nbdist.cluster.ranks import (
     EngineInfo,
     build_rank_map,
     choose_backend,
     default_threads,
     format_ranks,
+    gpu_shortfall,
     parse_ranks,
 )
-from nbdist.errors import NbdistError
+from nbdist.errors import NbdistError, NbdistWarning
 
 
 def test_parse_ranks_ranges_and_lists():
@@ -55,6 +57,22 @@ def test_more_gpu_ranks_than_gpus_is_a_clear_error():
     engines = [EngineInfo(i, "h", i, gpu_count=1) for i in range(2)]
     with pytest.raises(NbdistError, match="needs 2 GPUs, but 1 are visible"):
         build_rank_map(engines, "nccl")
+
+
+def test_more_ranks_than_gpus_left_to_nbdist_runs_on_the_cpu_with_a_warning():
+    one_gpu = [EngineInfo(i, "h", i, gpu_count=1, gpu_uuids=("GPU-a",)) for i in range(2)]
+    assert gpu_shortfall(one_gpu, 1) == "host h: 2 ranks x 1 GPU(s) per rank, 1 GPU(s) visible"
+    with pytest.warns(NbdistWarning, match=r"on the CPU \(gloo\)\. For one rank per GPU start -n 1"):
+        assert gpus_or_cpu(one_gpu, "auto", 1) == 0
+    assert build_rank_map(one_gpu, choose_backend("auto", [1, 1], 0), 0)[1].device == "cpu"
+    assert gpus_or_cpu(one_gpu, "nccl", 1) == 1  # asked for: build_rank_map's error stands
+    # enough GPUs, GPUs of their own (Slurm --gpus-per-task), or CPU ranks asked for: unchanged
+    assert gpu_shortfall([EngineInfo(i, "h", i, gpu_count=2) for i in range(2)], 1) is None
+    own = [EngineInfo(i, "h", i, gpu_count=1, gpu_uuids=(f"GPU-{i}",)) for i in range(2)]
+    assert gpu_shortfall(own, 1) is None and gpu_shortfall(one_gpu, 0) is None
+    assert gpu_shortfall([EngineInfo(i, "h", i) for i in range(2)], 1) is None  # no GPU at all
+    two_hosts = [EngineInfo(0, "a", 0, gpu_count=2), EngineInfo(1, "b", 1, gpu_count=0)]
+    assert gpu_shortfall(two_hosts, 1) == "host b: 1 ranks x 1 GPU(s) per rank, 0 GPU(s) visible"
 
 
 def test_backend_choice():

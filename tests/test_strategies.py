@@ -43,7 +43,25 @@ def test_fsdp_full_shard_trains_and_holds_one_over_n(ranks2_on_device: Cluster, 
 def test_fsdp_bf16_cpu_offload_grad_op_and_recompute_train(ranks2: Cluster):
     ranks2.run(
         "p = build('fsdp', mixed_precision='bf16', cpu_offload=True, sharding='shard_grad_op', "
-        "activation_checkpointing='auto', lr=3e-3)\nlosses = train(p)"
+        "activation_checkpointing='auto', lr=3e-3)\nlosses = train(p)\n"
+    ).raise_for_errors()
+    # tutorial 04's shape: blocks, then a layer of the root's own. The output comes back in fp32
+    # (mse_loss(bf16, fp32 target) failed in backward before torch 2.13) while the root's layer
+    # still gets bf16 from the blocks.
+    ranks2.run(
+        "class HeadNet(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(2))\n"
+        "        self.head = torch.nn.Linear(8, 1)\n"
+        "    def forward(self, x):\n"
+        "        for block in self.blocks:\n"
+        "            x = x + block(x)\n"
+        "        return self.head(x)\n"
+        "q = nbdist.prepare(HeadNet(), lambda ps: torch.optim.SGD(ps, lr=0.1), strategy='fsdp', "
+        "mixed_precision='bf16')\n"
+        "out = q.model(torch.randn(4, 8))\nassert out.dtype == torch.float32, out.dtype\n"
+        "q.backward(torch.nn.functional.mse_loss(out, torch.zeros(4, 1)))\nq.step()"
     ).raise_for_errors()
     for losses in ranks2.pull("losses").values():
         assert losses[-1] < losses[0]

@@ -6,6 +6,7 @@ rebuild the process group. Each waits under one deadline (`nbdist.cluster.remote
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +32,9 @@ def pull(views: Mapping[int, Any], name: str, timeout: float) -> dict[int, Any]:
     """One name from each rank: {rank: value} (tensors arrive on CPU)."""
     check_variable_name(name, "pull")
     try:
-        asyncs = {r: view.apply_async(bootstrap.send_values, [name]) for r, view in views.items()}
+        loadable = notebook_classes()
+        asyncs = {r: view.apply_async(bootstrap.send_values, [name], loadable)
+                  for r, view in views.items()}
         gathered = gather(asyncs, timeout)
     except KeyboardInterrupt:
         raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the ranks "
@@ -40,6 +43,15 @@ def pull(views: Mapping[int, Any], name: str, timeout: float) -> dict[int, Any]:
         first = min(gathered.failures)
         raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
     return {r: values[name] for r, values in gathered.results.items()}
+
+
+def notebook_classes() -> list[str]:
+    """The classes this process's `__main__` defines (a notebook's: its cells' namespace), by
+    which a pulled value's cell-defined classes are rebuilt here."""
+    main = sys.modules.get("__main__")
+    if main is None:
+        return []
+    return sorted(name for name, value in vars(main).items() if isinstance(value, type))
 
 
 def teardown_process_groups(views: Mapping[int, Any], timeout: float) -> list[int]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import gc
 import os
 import subprocess
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -23,11 +24,12 @@ from nbdist.cluster.ranks import (
     choose_backend,
     default_threads,
     disjoint,
+    gpu_shortfall,
 )
 from nbdist.cluster.remote import gather
 from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engine
 from nbdist.config import NbdistConfig
-from nbdist.errors import ClusterStartError
+from nbdist.errors import ClusterStartError, NbdistWarning
 from nbdist.worker import bootstrap
 
 
@@ -80,8 +82,23 @@ def probe_and_plan(client: Any, ids: list[int], requested_backend: str, gpus_per
                    local_id=probes[eid].get("local_id"))
         for eid in ids
     ]
+    gpus_per_rank = gpus_or_cpu(infos, requested_backend, gpus_per_rank)
     backend = choose_backend(requested_backend, [i.gpu_count for i in infos], gpus_per_rank)
     return build_rank_map(infos, backend, gpus_per_rank, host_order=host_order), probes
+
+
+def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: int) -> int:
+    """`gpus_per_rank`, or 0 (CPU ranks, gloo) with a warning when the backend was left to
+    nbdist and some host has fewer GPUs than ranks: a tutorial's `-n 2` then runs on a one-GPU
+    laptop or Colab. `--backend nccl` keeps it an error (build_rank_map says which host)."""
+    shortfall = gpu_shortfall(infos, gpus_per_rank)
+    if shortfall is None or requested_backend != "auto":
+        return gpus_per_rank
+    fits = max(min(i.gpu_count for i in infos) // gpus_per_rank, 1)
+    warnings.warn(NbdistWarning(
+        f"{shortfall}: every rank runs on the CPU (gloo). For one rank per GPU start -n {fits}; "
+        "--backend nccl makes this an error."), stacklevel=2)
+    return 0
 
 
 def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, port: int,

@@ -170,6 +170,25 @@ def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) ->
     return requested
 
 
+def gpu_shortfall(engines: list[EngineInfo], gpus_per_rank: int) -> str | None:
+    """Why one rank per `gpus_per_rank` GPUs cannot be, on the first host where it cannot (its
+    engines share GPUs and there are too few), or None when every rank can have its own."""
+    if gpus_per_rank == 0 or not any(e.gpu_count for e in engines):
+        return None  # CPU ranks asked for, or a machine without GPUs: nothing falls short
+    by_host: dict[str, list[EngineInfo]] = {}
+    for engine in engines:
+        by_host.setdefault(engine.host, []).append(engine)
+    for host, members in by_host.items():
+        sets = [frozenset(e.gpu_uuids) for e in members]
+        if len(members) > 1 and all(sets) and disjoint(sets):
+            continue
+        visible = min(e.gpu_count for e in members)
+        if len(members) * gpus_per_rank > visible:
+            return (f"host {host}: {len(members)} ranks x {gpus_per_rank} GPU(s) per rank, "
+                    f"{visible} GPU(s) visible")
+    return None
+
+
 def build_rank_map(
     engines: list[EngineInfo],
     backend: str,

@@ -44,7 +44,8 @@ class FSDPOptions:
     """Blocks sharded as their own unit ("auto": children of each ModuleList); None: root only."""
 
     mixed_precision: str | None = None
-    """"bf16" or "fp16": compute in that dtype, keep fp32 sharded params and reduce grads in fp32."""
+    """"bf16" or "fp16": compute in that dtype; params stay fp32 sharded, grads reduce and outputs
+    return in fp32."""
 
     cpu_offload: bool = False
     """Keep sharded params, grads and the optimizer step on the CPU (CPUOffloadPolicy)."""
@@ -107,6 +108,11 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.
     # Innermost first: fully_shard groups whatever parameters are not yet claimed by a child.
     for block in reversed(find_blocks(model, opts.wrap)):
         fully_shard(block, **kwargs)
+    if opts.mixed_precision is not None:
+        # the model's output in fp32 (the root's only: a block's output feeds the root's own
+        # layers, in param_dtype): a loss against an fp32 target fails in backward on
+        # torch < 2.13 otherwise ("Found dtype Float but expected BFloat16")
+        kwargs["mp_policy"] = dataclasses.replace(mp_policy, output_dtype=torch.float32)
     fully_shard(model, **kwargs)
     return model, rebind_optimizer(optimizer, names, model)
 

@@ -34,7 +34,7 @@ from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
 from nbdist.worker.nccl_env import dump_file_environment, nccl_environment
-from nbdist.worker.values import move_tensors
+from nbdist.worker.values import cell_classes, move_tensors
 
 
 @dataclass
@@ -164,6 +164,8 @@ def _pin_device(spec: dict[str, Any], options: dict[str, Any]) -> Any:
         device = torch.device("cuda", gpus[0])
     else:
         device = torch.device("cpu")
+        # DeepSpeed would see the host's GPUs and set_device(LOCAL_RANK): invalid on a CPU rank
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # nbdist.prepare() computes here too: a CPU rank on a GPU host must not land on cuda:0
     os.environ[RANK_DEVICE_VAR] = str(device)
     if options.get("socket_ifname"):
@@ -341,15 +343,24 @@ def receive_values(values: dict[str, Any]) -> list[str]:
     return sorted(moved)
 
 
-def send_values(names: list[str]) -> dict[str, Any]:
-    """Pull: the named values, tensors moved to CPU for the trip."""
+def send_values(names: list[str], loadable: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Pull: the named values, tensors moved to CPU for the trip. `loadable`: the classes the
+    notebook's `__main__` has; a value naming another cell-defined class is refused here, since
+    the notebook could not unpickle it (ipyparallel would drop the reply, not report it)."""
     from IPython import get_ipython
 
     namespace = get_ipython().user_ns
     missing = [name for name in names if name not in namespace]
     if missing:
         raise NameError(f"not defined on this rank: {', '.join(missing)}")
-    return {name: move_tensors(namespace[name], "cpu") for name in names}
+    values = {name: move_tensors(namespace[name], "cpu") for name in names}
+    unknown = sorted(cell_classes(values) - set(loadable))
+    if unknown:
+        raise TypeError(
+            f"the value holds {', '.join(unknown)}, defined in a cell on the ranks, which the "
+            "notebook does not define: it could not rebuild the value. Run the same definition "
+            "in a plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
+    return values
 
 
 def shutdown_rank() -> None:

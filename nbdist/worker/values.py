@@ -95,6 +95,39 @@ class _MovingPickler(pickle.Pickler):
         return NotImplemented
 
 
+def cell_classes(value: Any) -> set[str]:
+    """The classes and functions defined in a cell (module `__main__`) that a pickle of `value`
+    would name: another process rebuilds them only if its own `__main__` has them too."""
+    found: set[str] = set()
+    try:
+        _CellClassFinder(_Discard(), found).dump(value)
+    except Exception:  # noqa: BLE001 - unpicklable: ipyparallel's serializer reports that itself
+        pass
+    return found
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+class _CellClassFinder(pickle.Pickler):
+    """Pickles nothing but the structure (tensors are skipped) and notes `__main__` names."""
+
+    def __init__(self, file: _Discard, found: set[str]) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self.found = found
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor):
+            return _identity, (None,)
+        if isinstance(obj, (type, types.FunctionType)) and obj.__module__ == "__main__":
+            self.found.add(obj.__qualname__)
+        return NotImplemented
+
+
 def _identity(value: Any) -> Any:
     return value
 
