@@ -10,12 +10,19 @@ from typing import Any
 
 from nbdist.cells.flight_verdict import Readings, verdict
 from nbdist.cells.running import RunningCell, finished_with_error
-from nbdist.cells.whereabouts import cell_line, cell_reports, where_of, where_text
+from nbdist.cells.whereabouts import (
+    cell_line,
+    cell_reports,
+    telemetry_time,
+    where_of,
+    where_text,
+)
 from nbdist.cluster.ranks import format_ranks
 
 
 def hang_report(run: RunningCell) -> list[str]:
     """The report's lines: the verdict, then one block per rank."""
+    ask_where(run)
     finished = [r for r in run.targets if r not in run.pending]
     reports = cell_reports(run.cluster, finished) if finished else {}
     blocks = [f"deadline of {run.timeout or 0:g} s reached; where each rank is:"]
@@ -35,9 +42,30 @@ def hang_report(run: RunningCell) -> list[str]:
 def blocked_report(run: RunningCell) -> list[str]:
     """For the stop button: the flight recorder's verdict alone (who waits in which collective,
     who never entered it); nothing when no rank waits in one or the recorder is unavailable."""
+    ask_where(run)
     finished = [r for r in run.targets if r not in run.pending]
     readings = _readings(run, cell_reports(run.cluster, finished) if finished else {})
     return flight_lines(run, readings) if readings is not None else []
+
+
+def ask_where(run: RunningCell) -> None:
+    """Ask the ranks still running where they are now and wait, up to `where_answer_timeout`,
+    for their answers: their last telemetry may predate the collective they wait in, or hold no
+    flight-recorder reading yet (a short deadline), and the report's first line needs both."""
+    asked_at = time.time()
+    asked = []
+    for rank in sorted(run.pending):
+        process = run.cluster.ranks[rank]
+        if process.report_signal is not None and process.state == "alive":
+            run.cluster.signal_rank(rank, process.report_signal)
+            asked.append(rank)
+    give_up = time.perf_counter() + run.config.where_answer_timeout
+    while time.perf_counter() < give_up:
+        asked = [r for r in asked if r in run.pending
+                 and telemetry_time(run.cluster, r) < asked_at]
+        if not asked:
+            return
+        run.pump(run.config.poll_interval)
 
 
 def _finished_state(run: RunningCell, rank: int) -> str:
