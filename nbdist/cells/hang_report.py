@@ -13,6 +13,7 @@ from nbdist.cells.running import RunningCell, finished_with_error
 from nbdist.cells.whereabouts import (
     cell_line,
     cell_reports,
+    in_backward,
     telemetry_time,
     where_of,
     where_text,
@@ -98,7 +99,7 @@ def flight_lines(run: RunningCell, readings: Readings) -> list[str]:
             continue
         stack = where_of(run.cluster, rank).get("stack") or []
         line = cell_line(stack)
-        if any(frame.endswith(("in _engine_run_backward", "in run_backward")) for frame in stack):
+        if in_backward(stack):
             hints[rank] = f"gradients in backward() at {line}" if line else "backward()"
         elif line:
             hints[rank] = f"at {line}"
@@ -112,10 +113,7 @@ def _running_rank_lines(run: RunningCell, rank: int) -> list[str]:
     stack = where.get("stack") or []
     if coll:
         waited = time.time() - float(coll.get("since", time.time()))
-        lines = [
-            f"  rank {rank}: waiting in {coll['name']} #{coll['index']} at {coll['location']} "
-            f"for {waited:.1f} s"
-        ]
+        lines = [f"  rank {rank}: waiting in {coll['name']} at {coll['location']} for {waited:.1f} s"]
     else:
         line = cell_line(stack)
         inner = stack[-1] if stack else "?"
@@ -137,21 +135,21 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int],
     counts = dict(pending_counts)
     for rank, rep in reports.items():
         counts[rank] = int(rep.get("collectives_entered", 0))
-    deepest = max(waiting.values())
-    coll = where_of(cluster, max(waiting, key=lambda r: waiting[r]))["collective"]
+    deepest = max(waiting.values())  # the waiters' count: the collective they wait in is #deepest
+    name = where_of(cluster, max(waiting, key=lambda r: waiting[r]))["collective"]["name"]
     waiters = format_ranks(sorted(r for r, c in waiting.items() if c == deepest))
     lines = []
     for rank in sorted(r for r, c in counts.items() if c < deepest and r not in waiting):
         if rank in run.pending:
             where = where_text(cluster, rank) or "see its stack"
             lines.append(
-                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) "
+                f"rank {rank} has not reached {name} #{deepest} that rank(s) "
                 f"{waiters} wait in: it is still running Python ({where})"
             )
         else:
             lines.append(
                 f"desync: rank {rank} finished the cell after {counts[rank]} collective(s) while "
-                f"rank(s) {waiters} wait in {coll['name']} #{coll['index']}: rank {rank} skipped a "
+                f"rank(s) {waiters} wait in {name} #{deepest}: rank {rank} skipped a "
                 "collective (or the others ran one more)"
             )
     for rank in sorted(r for r, c in waiting.items() if c != deepest):

@@ -319,14 +319,13 @@ def teardown_process_group() -> bool:
 
 
 def cell_report() -> dict[str, Any]:
-    """After a cell: the collective the rank failed in (if any), the last one and the count."""
+    """After a cell: the collective the rank failed in (if any), the count, the group's state
+    and, from the flight recorder, per group the collective the rank last entered."""
     tracker = collectives.TRACKER
     failed = tracker.failed_in
-    last = tracker.last
     return {
         "rank": RUNTIME.spec.get("rank"),
         "failed_in": None if failed is None else {"name": failed.name, "location": failed.location},
-        "last_collective": None if last is None else {"name": last.name, "location": last.location},
         "collectives_entered": tracker.count,
         "pg_initialized": process_group.is_initialized(),
         "group_broken": tracker.group_broken,

@@ -42,6 +42,10 @@ class EnteredCollective:
     ranks: tuple[int, ...] = ()
     """Global ranks of the group; empty when unknown."""
 
+    def title(self) -> str:
+        """``all_reduce #9 of the default group``."""
+        return f"{self.op} #{self.seq} of the {self.group}"
+
     def nbytes(self) -> int:
         total = 0
         for shape, dtype in zip(self.sizes, self.dtypes, strict=False):
