@@ -73,8 +73,18 @@ class NbdistConfig:
     operation and shapes across ranks before running it, so a mismatch raises on every rank
     instead of aborting one (docs/FAULTS.md says what it costs)."""
 
+    cell_end_collective_wait: float = 1.0
+    """At a cell's end, seconds a gloo rank waits for collectives it left in flight (a DTensor
+    layer's, ``async_op=True``) to finish: one whose sizes differ across ranks aborts a rank
+    from gloo's own thread, and then does so in the cell that ran it (docs/FAULTS.md, row 23)."""
+
     stale_after: float = 5.0
     """A running rank that has sent no telemetry for this long is shown as stale."""
+
+    where_answer_timeout: float = 1.0
+    """At a deadline or the stop button, seconds to wait for the ranks still running to say where
+    they are now (asked by a signal, they answer from a thread of their own in milliseconds,
+    even from inside a collective): the report's first line is built from those answers."""
 
     fault_settle: float = 1.0
     """After the first rank fails, seconds to let the others report before the cell ends."""

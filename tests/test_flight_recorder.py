@@ -25,7 +25,8 @@ needs_recorder = pytest.mark.skipif(
 DEADLINE = 3.0
 
 
-def run_to_deadline(cluster: Cluster, code: str) -> tuple[object, float]:
+def run_to_deadline(cluster: Cluster, code: str,
+                    deadline: float = DEADLINE) -> tuple[object, float]:
     """Run `code` to its deadline; returns the result and the seconds from the deadline to the
     report's first line."""
     sink = RecordingSink()
@@ -38,9 +39,9 @@ def run_to_deadline(cluster: Cluster, code: str) -> tuple[object, float]:
 
     sink.on_status = timed  # type: ignore[method-assign]
     started = time.perf_counter()
-    result = cluster.run(code, timeout=DEADLINE, sink=sink)
+    result = cluster.run(code, timeout=deadline, sink=sink)
     assert result.timed_out, result.report
-    return result, shown[0] - started - DEADLINE
+    return result, shown[0] - started - deadline
 
 
 def assert_all_alive_and_working(cluster: Cluster, pids: list[int]) -> None:
@@ -71,6 +72,22 @@ def test_ddp_rank_skipping_backward_is_named(cluster2: Cluster):
     assert_all_alive_and_working(cluster2, pids)
     assert cluster2.pull("kept") == {0: 0, 1: 1}
     cluster2.run("del ddp").raise_for_errors()
+
+
+@needs_recorder
+@pytest.mark.parametrize("late", [0.0, 0.35])
+def test_a_short_deadline_still_names_the_collective(cluster2: Cluster, late: float):
+    # rank 0 enters the all_reduce at once, or 0.15 s before a 0.5 s deadline: either way its
+    # telemetry had no reading of it yet; asked at the deadline, it answers from its own thread
+    code = f"import time\nt = torch.ones(3)\nif rank == 0:\n    time.sleep({late})\n" \
+           "    dist.all_reduce(t)\n"
+    result, seconds = run_to_deadline(cluster2, code, deadline=0.5)
+    first = result.report[0]
+    assert re.fullmatch(r"rank 0 waits in all_reduce #\d+ of the default group \(at cell line 5, "
+                        r"\[3\] Float, 12 B\); rank 1 never entered it: it finished the cell "
+                        r"\(its last in that group: \w+ #\d+\)", first), result.report
+    assert seconds < 2.0, f"report {seconds:.2f} s after the deadline"
+    assert not any("killed" in a for a in result.actions), result.actions
 
 
 def test_sub_group_skip_is_released_without_a_kill(cluster2: Cluster):
@@ -119,6 +136,43 @@ def test_a_rank_killed_by_mismatched_sizes_is_named_with_the_sizes(cluster2: Clu
     cluster2.restart()
 
 
+TENSOR_PARALLEL = (
+    "from torch.distributed.device_mesh import init_device_mesh\n"
+    "from torch.distributed.tensor.parallel import (\n"
+    "    ColwiseParallel, RowwiseParallel, parallelize_module)\n"
+    "mesh = init_device_mesh('cpu', (2,))\n"
+    "torch.manual_seed(0)\n"
+    "net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))\n"
+    "net = parallelize_module(net, mesh, {'0': ColwiseParallel(), '2': RowwiseParallel()})\n"
+    "kept = rank * 10\n")
+"""A 2-rank tensor-parallel MLP on a 1-D DeviceMesh: its RowwiseParallel layer all-reduces the
+partial outputs with DTensor's functional all_reduce, which returns before it ran."""
+
+UNEVEN_BATCHES = "x = torch.ones(2 if rank == 0 else 3, 8)\ny = net(x)\n"
+"""Each rank feeds its own batch size: the layer's all_reduce gets [2, 4] and [3, 4]."""
+
+
+@needs_recorder
+def test_a_tensor_parallel_layer_fed_different_sizes_is_named_in_its_own_cell(cluster2: Cluster):
+    # the all_reduce returns at once and the cell ends "ok" on both ranks; gloo then aborts the
+    # rank whose buffer is smaller from its own thread. Each rank waits at the cell's end for
+    # what it left in flight, so the death is reported here, not by the next cell
+    cluster2.run(TENSOR_PARALLEL).raise_for_errors()
+    result = cluster2.run(UNEVEN_BATCHES, timeout=30)
+    dead = [r for r, e in result.errors.items() if e.kind == "dead"]
+    assert len(dead) == 1 and len(result.errors) == 1, result.failure_message()
+    survivor = 1 - dead[0]
+    message = result.failure_message()
+    assert re.search(rf"when rank {dead[0]} died, rank {survivor} was in all_reduce #\d+ of "
+                     rf"the default group \(\[{3 if survivor else 2}, 4\] Float", message), message
+    assert "--check-collectives" in message
+    assert "Received data size doesn't match expected size" in message  # gloo's own reason
+    assert cluster2.replace_dead() == dead
+    kept = cluster2.run("kept", ranks=[survivor], timeout=30).raise_for_errors()
+    assert kept.value_text(survivor) == str(survivor * 10)  # the survivor's state is kept
+    cluster2.run("del net, mesh", ranks=[survivor]).raise_for_errors()
+
+
 def test_check_collectives_keeps_every_rank_alive_and_names_the_sizes(cluster_factory,
                                                                        fast_config):
     cluster = cluster_factory(2, config=fast_config.replace(check_collectives=True))
@@ -135,6 +189,17 @@ def test_check_collectives_keeps_every_rank_alive_and_names_the_sizes(cluster_fa
     assert "--check-collectives" not in result.failure_message()
     assert_all_alive_and_working(cluster, pids)
     assert cluster.pull("kept") == {0: 0, 1: 1}
+    # the same in a tensor-parallel layer, whose all_reduce is checked before it is queued
+    cluster.run(TENSOR_PARALLEL).raise_for_errors()
+    result = cluster.run(UNEVEN_BATCHES, timeout=30)
+    assert sorted(e.rank for e in result.root_causes()) == [0, 1], result.failure_message()
+    for err in result.errors.values():
+        assert "Detected mismatch between collectives" in err.evalue
+        assert re.search(r"Tensor shapes: (2 4vs 3 4|3 4vs 2 4)", err.evalue), err.evalue
+    assert_all_alive_and_working(cluster, pids)
+    trained = cluster.run("y = net(torch.ones(2, 8))\n(kept, tuple(y.shape))", timeout=30)
+    assert trained.raise_for_errors().grouped_values() == [([0], "(0, (2, 4))"),
+                                                           ([1], "(10, (2, 4))")]
 
 
 @needs_recorder

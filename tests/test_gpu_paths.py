@@ -4,15 +4,19 @@ tests/test_gpu.py proves the same paths on a CUDA machine."""
 
 from __future__ import annotations
 
+import glob
 import os
 import stat
+import subprocess
+import sys
+import tempfile
 import threading
 
 import pytest
 import torch
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
-from nbdist import Cluster
+from nbdist import Cluster, torch_support
 from nbdist.cells.whereabouts import desynchronised
 from nbdist.cluster.rank_setup import cores_of_their_own
 from nbdist.cluster.ranks import (
@@ -28,8 +32,9 @@ from nbdist.strategies._common import RANK_DEVICE_VAR, StrategyOptionError, rank
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.devices import launcher_local_id
+from nbdist.worker.flight_recorder import dump_environment
 from nbdist.worker.memory_sampler import nvml_uuids, physical_index
-from nbdist.worker.nccl_env import NCCL_ENVIRONMENT, dump_file_environment, nccl_environment
+from nbdist.worker.nccl_env import NCCL_ENVIRONMENT, nccl_environment
 from nbdist.worker.process_group import torch_backend
 from nbdist.worker.release import uses_nccl
 from nbdist.worker.values import move_tensors
@@ -55,18 +60,29 @@ def test_desynchronised_names_the_counts() -> None:
         "the ranks queued different numbers of cuda collectives (rank 0: 10, rank 1: 9)")
 
 
-def test_a_collective_only_one_rank_queued_is_not_paired_with_the_next(cluster2: Cluster) -> None:
+@pytest.mark.parametrize("waits", [False, True], ids=["like-nccl", "gloo-waits-at-cell-end"])
+def test_a_collective_only_one_rank_queued_is_not_paired_with_the_next(cluster_factory,
+                                                                       fast_config,
+                                                                       waits: bool) -> None:
     # gloo queues an async_op collective and returns, as NCCL does every collective: rank 0 is
-    # "ok" with one queued, rank 1 raised before reaching it
-    cluster2.run("t = torch.ones(1)").raise_for_errors()
+    # "ok" with one queued, rank 1 raised before reaching it. Without the wait at the cell's end
+    # (NCCL has none) the ranks' counts of queued collectives differ after the cell; with it
+    # (gloo; it needs the flight recorder), rank 0 waits in the collective and is released like
+    # any rank blocked on a peer
+    config = fast_config if waits else fast_config.replace(cell_end_collective_wait=0.0)
+    waits = waits and torch_support.has("flight-recorder")
+    cluster = cluster_factory(2, config=config)
+    cluster.run("t = torch.ones(1)").raise_for_errors()
     code = ("if rank == 0:\n    work = dist.all_reduce(t, async_op=True)\n"
             "else:\n    raise ValueError('rank 1 stopped before the all_reduce')\n")
-    result = cluster2.run(code, timeout=60)
+    result = cluster.run(code, timeout=60)
     assert sorted(result.errors) == [1]
-    assert any("queued different numbers of cpu collectives (rank 0:" in a and "rebuilt" in a
-               for a in result.actions), result.actions
-    check = cluster2.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nfloat(t)",
-                         timeout=60).raise_for_errors()
+    said = ("so that rank(s) 0 blocked on them were released" if waits
+            else "queued different numbers of cpu collectives (rank 0:")
+    assert any(said in a for a in result.actions), result.actions
+    assert "rebuilt" in result.actions[-1], result.actions
+    check = cluster.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nfloat(t)",
+                        timeout=60).raise_for_errors()
     assert check.grouped_values() == [([0, 1], "3.0")]
 
 
@@ -83,20 +99,43 @@ def test_nccl_environment_keeps_what_the_user_set() -> None:
                      "see docs/NCCL.md)"]
 
 
-def test_the_dump_on_timeout_goes_to_a_directory_only_the_rank_reads() -> None:
-    to_set = dump_file_environment({})
+def test_the_dump_on_timeout_goes_to_a_directory_only_the_rank_reads(tmp_path) -> None:
+    to_set = dump_environment({}, 3, str(tmp_path))
     prefix = to_set["TORCH_FR_DUMP_TEMP_FILE"]
-    directory = os.path.dirname(prefix)
-    try:
-        assert os.path.basename(prefix) == "nccl_trace_rank_"
-        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
-        assert NCCL_ENVIRONMENT["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-        assert NCCL_ENVIRONMENT["TORCH_NCCL_ENABLE_MONITORING"] == "0"  # dump, but never exit
-        for mine in ({"TORCH_FR_DUMP_TEMP_FILE": "/x/t_"},
-                     {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}):
-            assert dump_file_environment(mine) == {}  # the user's wins, old name or new
-    finally:
-        os.rmdir(directory)
+    assert prefix == str(tmp_path / "flight-recorder-rank3" / "nccl_trace_rank_")
+    assert stat.S_IMODE(os.stat(os.path.dirname(prefix)).st_mode) == 0o700
+    assert NCCL_ENVIRONMENT["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert NCCL_ENVIRONMENT["TORCH_NCCL_ENABLE_MONITORING"] == "0"  # dump, but never exit
+    for mine in ({"TORCH_FR_DUMP_TEMP_FILE": "/x/t_"}, {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/t_"}):
+        assert dump_environment(mine, 3, str(tmp_path)) == {}  # the user's wins, old name or new
+
+
+def test_a_remote_ranks_dump_directory_is_its_own_and_goes_with_its_engine() -> None:
+    # a rank on another machine has no cluster directory there: a private temporary one, removed
+    # when its process exits
+    code = ("import os\nfrom nbdist.worker.flight_recorder import dump_environment\n"
+            "prefix = dump_environment({}, 0, None)['TORCH_FR_DUMP_TEMP_FILE']\n"
+            "print(os.path.dirname(prefix), oct(os.stat(os.path.dirname(prefix)).st_mode & 0o777))")
+    ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         check=True)
+    directory, mode = ran.stdout.split()
+    assert os.path.basename(directory).startswith("nbdist-flight-recorder-") and mode == "0o700"
+    assert not os.path.exists(directory)
+
+
+def test_every_rank_dumps_into_the_cluster_directory_and_stop_leaves_nothing(cluster_factory):
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-flight-recorder-*")))
+    cluster = cluster_factory(2)
+    workdir = cluster.workdir
+    prefixes = cluster.run("import os\nos.environ['TORCH_FR_DUMP_TEMP_FILE']").raise_for_errors()
+    for rank in (0, 1):
+        prefix = prefixes.value_text(rank).strip("'")
+        assert prefix == os.path.join(workdir, f"flight-recorder-rank{rank}", "nccl_trace_rank_")
+        assert stat.S_IMODE(os.stat(os.path.dirname(prefix)).st_mode) == 0o700
+    cluster.stop()
+    assert not os.path.exists(workdir)
+    after = set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-flight-recorder-*")))
+    assert after <= before, sorted(after - before)
 
 
 # -- 5. per-task GPUs (Slurm --gpus-per-task, cgroups, MIG) and launcher order -------------------

@@ -18,7 +18,7 @@ def describe(entry: EnteredCollective, hint: str = "") -> str:
     dtype = ",".join(sorted(set(entry.dtypes)))
     shapes = f"{entry.shapes()} {dtype}, {format_bytes(entry.nbytes())}" if entry.sizes else ""
     detail = ", ".join(part for part in (hint, shapes) if part)
-    return f"{entry.op} #{entry.seq} of the {entry.group}" + (f" ({detail})" if detail else "")
+    return entry.title() + (f" ({detail})" if detail else "")
 
 
 def verdict(readings: Readings, doing: dict[int, str], hints: dict[int, str]) -> list[str]:
@@ -70,7 +70,7 @@ def mismatches(same_seq: dict[int, EnteredCollective]) -> list[str]:
 
 CHECK_HINT = (
     "a collective whose operation or sizes differ across ranks ends a gloo rank this way "
-    "(SIGABRT); with check_collectives (%dist_start --check-collectives, "
+    "(gloo aborts it from its own thread); with check_collectives (%dist_start --check-collectives, "
     "NbdistConfig.check_collectives) torch compares them before each collective and every rank "
     "raises an error naming the sizes instead")
 

@@ -10,12 +10,20 @@ from typing import Any
 
 from nbdist.cells.flight_verdict import Readings, verdict
 from nbdist.cells.running import RunningCell, finished_with_error
-from nbdist.cells.whereabouts import cell_line, cell_reports, where_of, where_text
+from nbdist.cells.whereabouts import (
+    cell_line,
+    cell_reports,
+    in_backward,
+    telemetry_time,
+    where_of,
+    where_text,
+)
 from nbdist.cluster.ranks import format_ranks
 
 
 def hang_report(run: RunningCell) -> list[str]:
     """The report's lines: the verdict, then one block per rank."""
+    ask_where(run)
     finished = [r for r in run.targets if r not in run.pending]
     reports = cell_reports(run.cluster, finished) if finished else {}
     blocks = [f"deadline of {run.timeout or 0:g} s reached; where each rank is:"]
@@ -35,9 +43,30 @@ def hang_report(run: RunningCell) -> list[str]:
 def blocked_report(run: RunningCell) -> list[str]:
     """For the stop button: the flight recorder's verdict alone (who waits in which collective,
     who never entered it); nothing when no rank waits in one or the recorder is unavailable."""
+    ask_where(run)
     finished = [r for r in run.targets if r not in run.pending]
     readings = _readings(run, cell_reports(run.cluster, finished) if finished else {})
     return flight_lines(run, readings) if readings is not None else []
+
+
+def ask_where(run: RunningCell) -> None:
+    """Ask the ranks still running where they are now and wait, up to `where_answer_timeout`,
+    for their answers: their last telemetry may predate the collective they wait in, or hold no
+    flight-recorder reading yet (a short deadline), and the report's first line needs both."""
+    asked_at = time.time()
+    asked = []
+    for rank in sorted(run.pending):
+        process = run.cluster.ranks[rank]
+        if process.report_signal is not None and process.state == "alive":
+            run.cluster.signal_rank(rank, process.report_signal)
+            asked.append(rank)
+    give_up = time.perf_counter() + run.config.where_answer_timeout
+    while time.perf_counter() < give_up:
+        asked = [r for r in asked if r in run.pending
+                 and telemetry_time(run.cluster, r) < asked_at]
+        if not asked:
+            return
+        run.pump(run.config.poll_interval)
 
 
 def _finished_state(run: RunningCell, rank: int) -> str:
@@ -70,7 +99,7 @@ def flight_lines(run: RunningCell, readings: Readings) -> list[str]:
             continue
         stack = where_of(run.cluster, rank).get("stack") or []
         line = cell_line(stack)
-        if any(frame.endswith(("in _engine_run_backward", "in run_backward")) for frame in stack):
+        if in_backward(stack):
             hints[rank] = f"gradients in backward() at {line}" if line else "backward()"
         elif line:
             hints[rank] = f"at {line}"
@@ -84,10 +113,7 @@ def _running_rank_lines(run: RunningCell, rank: int) -> list[str]:
     stack = where.get("stack") or []
     if coll:
         waited = time.time() - float(coll.get("since", time.time()))
-        lines = [
-            f"  rank {rank}: waiting in {coll['name']} #{coll['index']} at {coll['location']} "
-            f"for {waited:.1f} s"
-        ]
+        lines = [f"  rank {rank}: waiting in {coll['name']} at {coll['location']} for {waited:.1f} s"]
     else:
         line = cell_line(stack)
         inner = stack[-1] if stack else "?"
@@ -109,21 +135,21 @@ def _desync_lines(run: RunningCell, pending_counts: dict[int, int],
     counts = dict(pending_counts)
     for rank, rep in reports.items():
         counts[rank] = int(rep.get("collectives_entered", 0))
-    deepest = max(waiting.values())
-    coll = where_of(cluster, max(waiting, key=lambda r: waiting[r]))["collective"]
+    deepest = max(waiting.values())  # the waiters' count: the collective they wait in is #deepest
+    name = where_of(cluster, max(waiting, key=lambda r: waiting[r]))["collective"]["name"]
     waiters = format_ranks(sorted(r for r, c in waiting.items() if c == deepest))
     lines = []
     for rank in sorted(r for r, c in counts.items() if c < deepest and r not in waiting):
         if rank in run.pending:
             where = where_text(cluster, rank) or "see its stack"
             lines.append(
-                f"rank {rank} has not reached {coll['name']} #{coll['index']} that rank(s) "
+                f"rank {rank} has not reached {name} #{deepest} that rank(s) "
                 f"{waiters} wait in: it is still running Python ({where})"
             )
         else:
             lines.append(
                 f"desync: rank {rank} finished the cell after {counts[rank]} collective(s) while "
-                f"rank(s) {waiters} wait in {coll['name']} #{coll['index']}: rank {rank} skipped a "
+                f"rank(s) {waiters} wait in {name} #{deepest}: rank {rank} skipped a "
                 "collective (or the others ran one more)"
             )
     for rank in sorted(r for r, c in waiting.items() if c != deepest):

@@ -19,7 +19,7 @@ from nbdist.cells.flight_verdict import CHECK_HINT, death_lines
 from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
-from nbdist.cells.rank_errors import classify_errors
+from nbdist.cells.rank_errors import CXX_EXCEPTION, classify_errors
 from nbdist.cells.running import RunningCell, finished_with_error
 from nbdist.cells.whereabouts import (
     blocked_in_collective,
@@ -171,7 +171,8 @@ class FaultPolicy:
         lines = death_lines(dead, readings, self.started_wall) if dead else []
         if not lines:
             return
-        aborted = any("SIGABRT" in result.errors[r].evalue for r in dead)
+        aborted = any("SIGABRT" in result.errors[r].evalue
+                      or CXX_EXCEPTION in result.errors[r].traceback for r in dead)
         if aborted and not self.config.check_collectives:
             lines.append(CHECK_HINT)
         for rank in dead:

@@ -54,13 +54,25 @@ def dead_rank_error(rank: int, detail: str, output: str, engine_log: str) -> Ran
     return RankError(rank=rank, kind="dead", ename="RankDied", evalue=detail, traceback="\n".join(lines))
 
 
+_CXX_REASON = re.compile(r"what\(\):\s+(.+)")
+"""std::terminate's line for an uncaught C++ exception: why gloo (or another C++ library) ended
+the process from a thread of its own, printed among faulthandler's thread dump."""
+
+CXX_EXCEPTION = "uncaught C++ exception"
+"""How a dead rank's report names that line (the process may end by SIGABRT or, while it
+aborts, by SIGSEGV in another thread: measured with gloo's size check)."""
+
+
 def _crash_excerpt(log: str) -> str:
-    """From an engine log: faulthandler's block ("Fatal Python error: ...") if there is one."""
+    """From an engine log: the C++ exception that ended it, if one did, then faulthandler's block
+    ("Fatal Python error: ...") if there is one."""
     lines = [ln for ln in log.splitlines() if "[KernelNanny" not in ln]
+    reasons = [match.group(1).strip() for match in map(_CXX_REASON.search, lines) if match]
+    head = [f"{CXX_EXCEPTION}: {reasons[-1]}"] if reasons else []
     starts = [i for i, ln in enumerate(lines) if ln.startswith("Fatal Python error")]
     if starts:
-        return "\n".join(lines[starts[-1]:starts[-1] + 12])
-    return "\n".join(lines[-8:])
+        return "\n".join(head + lines[starts[-1]:starts[-1] + 12])
+    return "\n".join(head + lines[-8:])
 
 
 def classify_errors(

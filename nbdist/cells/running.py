@@ -27,6 +27,10 @@ class RunningCell(Protocol):
     asyncs: dict[int, Any]
     metadata: dict[int, dict[str, Any]]
 
+    def pump(self, wait: float) -> None:
+        """Handle output, results and telemetry for up to `wait` seconds."""
+        ...
+
     def pump_until(self, seconds: float, ranks: set[int] | None = None) -> bool:
         """Handle output and results until `ranks` are done or `seconds` pass; True if done."""
         ...

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
 
 
 def where_of(cluster: ClusterCore, rank: int) -> dict[str, Any]:
-    """The rank's last "where" sample: ``collective`` (name, index, location, since), ``stack``,
+    """The rank's last "where" sample: ``collective`` (name, location, since), ``stack``,
     ``collectives_entered``; empty when it sent none."""
     payload = cluster.telemetry.last_payload.get(rank) or {}
     return payload.get("where") or {}
@@ -55,12 +55,13 @@ def blocked_in_collective(cluster: ClusterCore, rank: int) -> bool:
     where = where_of(cluster, rank)
     if where.get("collective") or any(not e.completed for e in where.get("flight") or []):
         return True
-    stack = where.get("stack") or []
-    return (
-        cluster.backend == "gloo"
-        and bool(stack)
-        and stack[-1].endswith(("in _engine_run_backward", "in run_backward"))
-    )
+    return cluster.backend == "gloo" and in_backward(where.get("stack") or [], innermost=True)
+
+
+def in_backward(stack: list[str], innermost: bool = False) -> bool:
+    """A stack from `where_of` is inside autograd's backward (its innermost frame, or any)."""
+    frames = stack[-1:] if innermost else stack
+    return any(frame.endswith(("in _engine_run_backward", "in run_backward")) for frame in frames)
 
 
 def cell_reports(cluster: ClusterCore, ranks: list[int]) -> dict[int, dict[str, Any]]:

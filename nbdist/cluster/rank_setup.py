@@ -141,13 +141,15 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "collective_report_interval": config.collective_report_interval,
         "flight_recorder_entries": config.flight_recorder_entries,
         "check_collectives": config.check_collectives,
+        "cell_end_collective_wait": config.cell_end_collective_wait,
         "telemetry_log_spacing": config.telemetry_log_spacing,
         "telemetry_start_delay": config.telemetry_start_delay,
         "socket_ifname": "lo" if master_addr.startswith("127.") else None,
         "interface_env": rendezvous.interface_env(probe),
         "store_path": rendezvous.store_path(workdir, generation),
-        # breakpoint() answers travel as files there: only a rank on this machine can read them
-        "breakpoint_dir": workdir if is_local_engine(probe) else None,
+        # the cluster's private directory, for a rank on this machine only: breakpoint() answers
+        # travel as files there, and the flight recorder's dump goes there
+        "private_dir": workdir if is_local_engine(probe) else None,
         "breakpoint_poll_interval": config.breakpoint_poll_interval,
         "memory_limit": memory_limit_bytes(config.memory_limit),
         # where a local rank sends what its direct cells produce (a loopback socket)
@@ -186,6 +188,7 @@ def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
             helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
             local=is_local_engine(probes[spec.engine_id]),
             release_signal=probes[spec.engine_id].get("release_signal"),
+            report_signal=probes[spec.engine_id].get("report_signal"),
             cell_port=results[spec.engine_id].get("cell_port"),
             notes=list(results[spec.engine_id].get("notes") or []),
         )

@@ -90,6 +90,7 @@ class RankProcess:
     exit_detail: str = ""
     local: bool = True  # a process on this machine (signalled by PID); else through the controller
     release_signal: int | None = None  # the engine's "fail your blocked collective" signal, if any
+    report_signal: int | None = None  # its "say where you are now" signal (nbdist.worker.release)
     cell_port: int | None = None  # the engine's direct cell channel (nbdist.worker.cell_channel)
     notes: list[str] = field(default_factory=list)  # what the rank said at setup (kept settings)
 

@@ -42,7 +42,7 @@ class TelemetryHub:
             # a log() payload carries metrics only: keep the last tick's memory and "where",
             # and its time, which says how fresh that "where" is (nbdist.cells.policy relies on it)
             self.last_payload[rank] = {**previous, **payload, "t": previous.get("t")}
-        elif reason == "collective" and previous is not None:
+        elif reason in ("collective", "asked") and previous is not None:
             # "where" only, taken now (its time is the new one): keep the last memory and metrics
             self.last_payload[rank] = {**previous, **payload}
         else:

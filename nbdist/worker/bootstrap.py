@@ -33,7 +33,7 @@ from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
-from nbdist.worker.nccl_env import dump_file_environment, nccl_environment
+from nbdist.worker.nccl_env import nccl_environment
 from nbdist.worker.values import cell_classes, move_tensors
 
 
@@ -42,6 +42,8 @@ class RankRuntime:
     spec: dict[str, Any] = field(default_factory=dict)
     generation: int = -1
     pg_timeout: float = 60.0
+    cell_end_collective_wait: float = 0.0
+    """Seconds this rank waits at a cell's end for collectives left in flight (gloo only)."""
     agent: TelemetryAgent | None = None
     hooks_installed: bool = False
 
@@ -82,6 +84,7 @@ def probe(peer: str | None = None) -> dict[str, Any]:
         "torch": str(torch.__version__),  # a TorchVersion would import torch in the notebook (2 s)
         "python": sys.executable,
         "release_signal": int(release.RELEASE_SIGNAL) if release.INSTALLED else None,
+        "report_signal": release.REPORT_SIGNAL if release.INSTALLED else None,
     }
 
 
@@ -99,11 +102,13 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     _define_names(shell, spec, device)
     _install_hooks(shell)
     RUNTIME.agent = _start_telemetry(shell, spec["rank"], options, device)
-    install_breakpoint_hook(RUNTIME.agent, options.get("breakpoint_dir"),
+    install_breakpoint_hook(RUNTIME.agent, options.get("private_dir"),
                             float(options.get("breakpoint_poll_interval", 0.02)))
 
     cell_port = open_channel(spec["rank"], options["cell_channel"]) if options.get("cell_channel") else None
     RUNTIME.pg_timeout = float(options["pg_timeout"])
+    if spec["backend"] == "gloo":  # NCCL's record completes when its watchdog looks: no wait
+        RUNTIME.cell_end_collective_wait = float(options.get("cell_end_collective_wait", 0.0))
     init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
                             options.get("store_path"))
     # last: torch, the engine and the group are the baseline the budget is counted from
@@ -126,16 +131,17 @@ def _apply_nccl_environment() -> list[str]:
     """Errors instead of process exits from NCCL's watchdog (nbdist.worker.nccl_env)."""
     to_set, notes = nccl_environment(os.environ)
     os.environ.update(to_set)
-    os.environ.update(dump_file_environment(os.environ))
     return notes
 
 
 def _apply_collective_checks(options: dict[str, Any]) -> list[str]:
-    """The flight recorder's buffer, and torch's cross-rank checks of every collective when asked
-    (both are read when a group is created, so before the first one)."""
+    """The flight recorder's buffer and dump file, and torch's cross-rank checks of every
+    collective when asked (read when a group is created, so before the first one)."""
     to_set, notes = flight_recorder.buffer_environment(
         int(options.get("flight_recorder_entries", 256)), os.environ)
     os.environ.update(to_set)
+    os.environ.update(flight_recorder.dump_environment(
+        os.environ, int(RUNTIME.spec["rank"]), options.get("private_dir")))
     return notes + collective_checks.apply(bool(options.get("check_collectives")))
 
 
@@ -209,6 +215,7 @@ def _start_telemetry(shell: Any, rank: int, options: dict[str, Any], device: Any
         collective_interval=float(options["collective_report_interval"]),
     ))
     agent.blocked_since = collectives.TRACKER.blocked_since
+    release.report_hook = _report_where
     agent.register("where", _where)
     agent.register("group", script_calls.group_state)  # the cell destroyed the world group?
     # Both providers are part of nbdist and never raise: one that cannot work on this rank
@@ -248,6 +255,16 @@ def _where() -> dict[str, Any] | None:
     return where
 
 
+def _report_where() -> None:
+    """The notebook asks where this running rank is now (release.REPORT_SIGNAL, on a thread of
+    its own: a main thread blocked in a collective still answers), with the flight recorder's
+    reading as of now rather than as of the groups' last settled progress."""
+    agent = RUNTIME.agent
+    if agent is not None and agent.cell_running:
+        flight_recorder.WATCHER.sample(fresh=True)
+        agent.publish_now("asked", only=("where",))
+
+
 def _pre_run_cell(*_: Any) -> None:
     collectives.TRACKER.reset_cell()
     script_calls.cell_started()
@@ -258,6 +275,18 @@ def _pre_run_cell(*_: Any) -> None:
 
 
 def _post_run_cell(result: Any = None, *_: Any) -> None:
+    # a breakpoint() stepped past the cell's end must not stop in what nbdist does after it:
+    # pdb skips nbdist's frames, not the torch and standard-library code they call
+    tracer = sys.gettrace()
+    sys.settrace(None)
+    try:
+        _after_cell(result)
+    finally:
+        sys.settrace(tracer)
+
+
+def _after_cell(result: Any) -> None:
+    flight_recorder.wait_for_in_flight(RUNTIME.cell_end_collective_wait)
     error = getattr(result, "error_in_exec", None)
     tracker = collectives.TRACKER
     if tracker.failed_in is None and collectives.is_transport_failure(error):
@@ -292,14 +321,13 @@ def teardown_process_group() -> bool:
 
 
 def cell_report() -> dict[str, Any]:
-    """After a cell: the collective the rank failed in (if any), the last one and the count."""
+    """After a cell: the collective the rank failed in (if any), the count, the group's state
+    and, from the flight recorder, per group the collective the rank last entered."""
     tracker = collectives.TRACKER
     failed = tracker.failed_in
-    last = tracker.last
     return {
         "rank": RUNTIME.spec.get("rank"),
         "failed_in": None if failed is None else {"name": failed.name, "location": failed.location},
-        "last_collective": None if last is None else {"name": last.name, "location": last.location},
         "collectives_entered": tracker.count,
         "pg_initialized": process_group.is_initialized(),
         "group_broken": tracker.group_broken,

@@ -1,4 +1,6 @@
-"""Track which collective each rank is in, so hangs and failures can say where every rank waits.
+"""What torch's flight recorder cannot say about a rank's collectives: whether its main thread
+waits in one right now, where in the cell it called it, and the group it broke when one failed
+(torch < 2.8 records no gloo collective: there the count per cell names a rank that skipped one).
 
 ``install()`` wraps the public torch.distributed collectives (module attributes, so code that calls
 ``dist.all_reduce`` — the user's or torch's own — goes through the wrapper). The cost is a few
@@ -82,16 +84,16 @@ def _is_library_file(filename: str) -> bool:
 class CollectiveCall:
     name: str
     location: str
+    """The user-level frame of the call (``cell line 3``): what the flight recorder cannot say."""
     since: float
-    index: int
 
 
 class CollectiveTracker:
-    """Per-process record of the collective in flight and how many were entered this cell."""
+    """Per-process record of the collective the main thread is in, where the cell called it,
+    and how many it entered this cell (the hang report's fallback without a flight recorder)."""
 
     def __init__(self) -> None:
         self.current: CollectiveCall | None = None
-        self.last: CollectiveCall | None = None
         self.count = 0
         self.failed_in: CollectiveCall | None = None
         self.group_broken = False
@@ -103,7 +105,6 @@ class CollectiveTracker:
 
     def reset_cell(self) -> None:
         self.current = None
-        self.last = None
         self.count = 0
         self.failed_in = None
         self.group_broken = False
@@ -119,7 +120,7 @@ class CollectiveTracker:
             if threading.get_ident() != tracker.main_thread_id or tracker._depth:
                 return fn(*args, **kwargs)  # nested (all_gather_object -> all_gather) or a thread
             tracker.count += 1
-            call = CollectiveCall(name, user_location(sys._getframe(1)), time.time(), tracker.count)
+            call = CollectiveCall(name, user_location(sys._getframe(1)), time.time())
             tracker.current = call
             tracker._depth += 1
             ticket = timing.before(name, args, kwargs)  # the straggler view's sequence number
@@ -139,7 +140,6 @@ class CollectiveTracker:
             finally:
                 tracker._depth -= 1
                 tracker.current = None
-                tracker.last = call
 
         tracked.__nbdist_original__ = fn  # type: ignore[attr-defined]
         return tracked
@@ -153,8 +153,8 @@ class CollectiveTracker:
         """Where the main thread is now: collective in flight, count, and its user-level stack."""
         current = self.current
         return {
-            "collective": _call_dict(current),
-            "last_collective": _call_dict(self.last),
+            "collective": None if current is None else {
+                "name": current.name, "location": current.location, "since": current.since},
             "collectives_entered": self.count,
             "stack": main_thread_stack(self.main_thread_id),
         }
@@ -221,7 +221,7 @@ def record_implicit_failure(tracker: CollectiveTracker, exc: BaseException) -> C
         name = f"{recorded} (gradients in backward())" if in_backward else recorded
     else:
         name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
-    call = CollectiveCall(name, cell_line, time.time(), tracker.count)
+    call = CollectiveCall(name, cell_line, time.time())
     tracker.failed_in = call
     tracker.group_broken = True
     _release_broken_group(exc)
@@ -236,16 +236,7 @@ def _recorded_name() -> str:
         found = flight_recorder.entries() if flight_recorder.available() else []
     except Exception:  # the group is half torn down: the caller's own guess stands
         return ""
-    if not found:
-        return ""
-    last = max(found, key=lambda entry: entry.since)
-    return f"{last.op} #{last.seq} of the {last.group}"
-
-
-def _call_dict(call: CollectiveCall | None) -> dict[str, Any] | None:
-    if call is None:
-        return None
-    return {"name": call.name, "location": call.location, "since": call.since, "index": call.index}
+    return max(found, key=lambda entry: entry.since).title() if found else ""
 
 
 def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
@@ -254,9 +245,8 @@ def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
     lines: list[str] = []
     while frame is not None and len(lines) < 60:
         code = frame.f_code
-        lines.append(
-            f"{describe_location(code.co_filename, frame.f_lineno)} in {code.co_name}"
-        )
+        if f"{os.sep}nbdist{os.sep}" not in code.co_filename:  # its wrappers are not the user's
+            lines.append(f"{describe_location(code.co_filename, frame.f_lineno)} in {code.co_name}")
         frame = frame.f_back
     lines.reverse()
     # keep from the first cell frame on: the engine's own dispatch frames say nothing useful;

@@ -8,9 +8,13 @@ groups' progress has not moved since the last look (a rank that waits), never on
 
 from __future__ import annotations
 
+import atexit
 import os
 import pickle
+import shutil
+import tempfile
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +41,10 @@ class EnteredCollective:
     """When the rank entered it (time.time())."""
     ranks: tuple[int, ...] = ()
     """Global ranks of the group; empty when unknown."""
+
+    def title(self) -> str:
+        """``all_reduce #9 of the default group``."""
+        return f"{self.op} #{self.seq} of the {self.group}"
 
     def nbytes(self) -> int:
         total = 0
@@ -67,6 +75,28 @@ def buffer_environment(entries: int,
     return {BUFFER_VARIABLES[0]: str(entries)}, []
 
 
+DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+"""Where the recorder's dump goes (NCCL's watchdog writes it on a timeout: docs/NCCL.md): the
+value followed by the rank (torch reads the first one set; the second is the older name; its
+default, /tmp/nccl_trace_rank_, would leave every rank's collectives readable by anyone)."""
+
+
+def dump_environment(current: Mapping[str, str], rank: int,
+                     private_dir: str | None) -> dict[str, str]:
+    """The dump's prefix in a directory only this user reads, unless the user chose one: in the
+    cluster's private directory for a rank on the notebook's machine (removed with it when the
+    cluster stops), else a temporary directory of the rank's own, removed when its engine exits."""
+    if any(name in current for name in DUMP_FILE_VARIABLES):
+        return {}
+    if private_dir:
+        directory = os.path.join(private_dir, f"flight-recorder-rank{rank}")
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    else:
+        directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}
+
+
 def available() -> bool:
     """torch records gloo's collectives too (2.8+) and the buffer is not turned off."""
     if not torch_support.has("flight-recorder"):
@@ -91,6 +121,32 @@ def progress() -> dict[str, tuple[int, int]]:
     return {str(name): (int(s.get("last_enqueued_collective", -1)),
                         int(s.get("last_completed_collective", -1)))
             for name, s in status.items()}
+
+
+IN_FLIGHT_POLL = 0.005
+"""Seconds between two looks at whether the collectives a rank left in flight have finished."""
+
+
+def wait_for_in_flight(seconds: float) -> None:
+    """Wait up to `seconds` while a group of this generation has a collective in flight (a torn
+    down group keeps its last counts: it is not looked at). At a cell's end on gloo, a collective
+    nothing waited for (a DTensor layer's, an ``async_op=True`` one) whose sizes differ across
+    ranks ends one rank from gloo's own thread: it must do so in the cell that ran it, not
+    between cells, where nothing reports it."""
+    if seconds <= 0 or not available():
+        return
+    deadline = time.monotonic() + seconds
+    try:
+        while time.monotonic() < deadline:
+            current = _group_names()
+            if not any(entered > completed for name, (entered, completed) in progress().items()
+                       if name in current):
+                return
+            time.sleep(IN_FLIGHT_POLL)
+    except KeyboardInterrupt:  # the stop button after the cell's code: the cell is over anyway
+        return
+    except Exception:  # a group torn down under the dump
+        return
 
 
 def entries() -> list[EnteredCollective]:
@@ -168,8 +224,9 @@ class Watcher:
             self._read_at = None
             self._latest = []
 
-    def sample(self) -> list[EnteredCollective] | None:
-        """Per group the collective a rank is in or last entered; None when unreadable."""
+    def sample(self, fresh: bool = False) -> list[EnteredCollective] | None:
+        """Per group the collective a rank is in or last entered (`fresh`: read now, whether
+        or not the progress settled); None when unreadable."""
         if not available():
             return None
         try:
@@ -177,7 +234,7 @@ class Watcher:
             with self._lock:
                 settled = now == self._last_progress
                 self._last_progress = now
-                if settled and now != self._read_at:
+                if (settled or fresh) and now != self._read_at:
                     self._latest = latest(entries())
                     self._read_at = now
                 return list(self._latest) if now == self._read_at else []

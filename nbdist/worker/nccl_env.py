@@ -6,8 +6,6 @@ ProcessGroupNCCL reads these when a group is created, so they are set before the
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Mapping
 
 NCCL_ENVIRONMENT: dict[str, str] = {
@@ -40,17 +38,3 @@ def nccl_environment(current: Mapping[str, str]) -> tuple[dict[str, str], list[s
             notes.append(f"{name}={theirs} is yours and kept (nbdist would set {value}: "
                          "see docs/NCCL.md)")
     return to_set, notes
-
-
-DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-"""Where the dump on timeout goes: the file name is the value followed by the rank (torch
-reads the first one set; the second is the older name; its default is /tmp/nccl_trace_rank_)."""
-
-
-def dump_file_environment(current: Mapping[str, str]) -> dict[str, str]:
-    """The dump's prefix in a directory only this rank's user can read, unless the user chose
-    one."""
-    if any(name in current for name in DUMP_FILE_VARIABLES):
-        return {}
-    directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
-    return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}

@@ -13,6 +13,9 @@ On that signal the thread makes the blocked collective fail:
   listener breaks.
 
 The group is broken afterwards; the notebook side rebuilds it (``nbdist.cells.faults``).
+
+The same thread answers ``REPORT_SIGNAL``: the notebook asks where the rank is now (at a deadline,
+the stop button), and a rank whose main thread is blocked still says so within milliseconds.
 """
 
 from __future__ import annotations
@@ -21,8 +24,17 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Callable
 
 RELEASE_SIGNAL = signal.SIGUSR2
+
+REPORT_SIGNAL = int(signal.SIGRTMIN) + 1
+"""A real-time signal no library here uses (SIGUSR1 may be Slurm's warning before a job ends)."""
+
+report_hook: Callable[[], None] | None = None
+"""What the thread runs on REPORT_SIGNAL (the rank's telemetry says where it is)."""
+
+_SIGNALS: set[int] = {RELEASE_SIGNAL, REPORT_SIGNAL}
 
 INSTALLED = False
 _GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never touched
@@ -34,22 +46,25 @@ def install() -> None:
     global INSTALLED
     if INSTALLED or threading.active_count() > 1:
         return
-    signal.pthread_sigmask(signal.SIG_BLOCK, {RELEASE_SIGNAL})
+    signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
     os.register_at_fork(after_in_child=_unblock_in_child)
     threading.Thread(target=_wait_loop, name="nbdist-release", daemon=True).start()
     INSTALLED = True
 
 
 def _unblock_in_child() -> None:
-    # a forked child (a DataLoader worker) should not inherit a signal nobody waits for
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {RELEASE_SIGNAL})
+    # a forked child (a DataLoader worker) should not inherit signals nobody waits for
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
 
 def _wait_loop() -> None:
     while True:
-        signal.sigwait({RELEASE_SIGNAL})
+        received = signal.sigwait(_SIGNALS)
         try:
-            release_now()
+            if received != REPORT_SIGNAL:
+                release_now()
+            elif report_hook is not None:
+                report_hook()
         except Exception:  # never let the listener die: the next request must still work
             pass
 
