@@ -23,12 +23,16 @@ import psutil
 import pytest
 import torch
 
+import nbdist
 from nbdist import Cluster
 from nbdist.cluster.launchers import MultiHostWarning
+from tests import rank_parity
 
 pytestmark = pytest.mark.multihost
 
 HOSTS = ("hosta", "hostb")
+SOURCE = os.path.dirname(os.path.dirname(os.path.abspath(nbdist.__file__)))
+"""The tree whose nbdist this test imports: the engines over ssh import the same one."""
 ALL_REDUCE = "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()"
 
 
@@ -177,7 +181,7 @@ def cluster(network: Network, fast_config, assert_all_gone) -> Iterator[Cluster]
         n=4, config=fast_config.replace(engine_start_timeout=120.0), launcher="ssh",
         launcher_options={"hosts": hosts, "ssh_args": network.ssh_args,
                           "scp_args": network.ssh_args, "heartbeat_period_ms": 500,
-                          "heartbeat_misses": 6},
+                          "heartbeat_misses": 6, "environment": {"PYTHONPATH": SOURCE}},
     )
     started = time.perf_counter()
     with pytest.warns(MultiHostWarning, match="unauthenticated"):
@@ -258,6 +262,41 @@ def test_hung_remote_rank_is_interrupted_through_the_controller(cluster: Cluster
     assert all(p.state == "alive" for p in cluster.ranks)  # SIGINT was enough: nobody killed
     cluster.run(ALL_REDUCE, timeout=60).raise_for_errors()
     assert cluster.pull("t") == {r: torch.tensor([10.0]) for r in range(4)}
+
+
+def test_the_cell_channel_spans_the_hosts_encrypted(cluster: Cluster, network: Network):
+    """Cells reach the remote ranks over the cell channel: the notebook listens on the head
+    node's private address, each rank on its host's, both ends CurveZMQ-encrypted; the engines
+    run the nbdist under test."""
+    channel = cluster.cell_channel
+    assert channel is not None and channel.address.startswith(f"tcp://{network.head_address}:")
+    assert channel.public_key is not None
+    for proc in cluster.ranks:
+        host = next(h for h in network.hosts if h.name == proc.spec.host)
+        assert proc.endpoint is not None and proc.endpoint.public_key is not None
+        assert proc.endpoint.address.startswith(f"tcp://{host.address}:")
+    files = cluster.run("import nbdist\nnbdist.__file__", timeout=60).raise_for_errors()
+    assert {files.value_text(r).strip("'") for r in files.ranks} == {
+        os.path.join(SOURCE, "nbdist", "__init__.py")}
+
+
+def test_parity_top_level_await(cluster: Cluster):
+    rank_parity.check_top_level_await(cluster)
+
+
+@pytest.mark.parametrize("code", ["import time\nfor _ in range(600): time.sleep(0.05)",
+                                  "import asyncio\nawait asyncio.sleep(600)"],
+                         ids=["sync", "await"])
+def test_parity_stop_button(cluster: Cluster, code: str):
+    rank_parity.check_stop_button(cluster, code)
+
+
+def test_parity_breakpoint_on_a_remote_rank(cluster: Cluster, monkeypatch: pytest.MonkeyPatch):
+    rank_parity.check_breakpoint(cluster, monkeypatch, rank=3)
+
+
+def test_parity_widget_on_a_remote_rank(cluster: Cluster, monkeypatch: pytest.MonkeyPatch):
+    rank_parity.check_widget(cluster, monkeypatch, rank=2)
 
 
 def test_one_host_killed_is_reported_and_restart_brings_it_back(cluster: Cluster, network: Network):

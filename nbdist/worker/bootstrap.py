@@ -99,10 +99,8 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     _define_names(shell, spec, device)
     _install_hooks(shell)
     RUNTIME.agent = _start_telemetry(shell, spec["rank"], options, device)
-    install_breakpoint_hook(RUNTIME.agent, options.get("breakpoint_dir"),
-                            float(options.get("breakpoint_poll_interval", 0.02)))
-
-    cell_port = open_channel(spec["rank"], options["cell_channel"]) if options.get("cell_channel") else None
+    install_breakpoint_hook(RUNTIME.agent)
+    endpoint = open_channel(spec["rank"], options["channel"])
     RUNTIME.pg_timeout = float(options["pg_timeout"])
     init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
                             options.get("store_path"))
@@ -117,7 +115,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "threads": threads,
         "pg_seconds": init["seconds"],
         "memory_limit": memory_limit,
-        "cell_port": cell_port,
+        "channel": endpoint,
         "notes": notes,
     }
 
