@@ -17,10 +17,13 @@ import os
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nbdist.cluster.remote import Gathered
 from nbdist.worker.cell_channel import (
+    CALL_REQUEST,
     CELL_REPLY,
     CELL_REQUEST,
     COMM_TYPES,
@@ -123,6 +126,33 @@ class NotebookChannel:
         dealer.connect(endpoint.address)
         self._dealers[rank] = (endpoint, dealer)
         return dealer
+
+    def call(self, endpoints: dict[int, ChannelEndpoint], name: str, args: tuple[Any, ...],
+             timeout: float) -> Gathered[int]:
+        """Call one of the ranks' channel functions (`nbdist.worker.cell_channel.CALLS`) on
+        each rank and collect the results under one deadline (between cells: the runner is the
+        only other reader of `inbox`); never raises for a rank's failure or silence."""
+        from ipyparallel.serialize import deserialize_object, serialize_object
+
+        token = self.new_token()
+        buffers = serialize_object(args)
+        for rank, endpoint in endpoints.items():
+            self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
+        out: Gathered[int] = Gathered()
+        waiting = set(endpoints)
+        deadline = time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            for message in self.receive(max(0.0, deadline - time.monotonic())):
+                if message.token != token or message.rank not in waiting:
+                    continue  # a cell's late output, given up on
+                waiting.discard(message.rank)
+                content = message.msg["content"]
+                if content.get("status") == "ok":
+                    out.results[message.rank] = deserialize_object(message.msg["buffers"])[0]
+                else:
+                    out.failures[message.rank] = f"{content.get('ename')}: {content.get('evalue')}"
+        out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
+        return out
 
     # ------------------------------------------------------------------ receiving
     def receive(self, timeout: float) -> list[ChannelMessage]:

@@ -295,13 +295,13 @@ class ClusterCore:
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
-        views = {r: self.view(r) for r in self.targets(ranks)}
-        rank_calls.push(views, values, self.config.bootstrap_timeout)
+        targets = [self.ranks[r] for r in self.targets(ranks)]
+        rank_calls.push(self.channel(), targets, values, self.config.bootstrap_timeout)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
-        views = {r: self.view(r) for r in self.targets(ranks)}
-        return rank_calls.pull(views, name, self.config.bootstrap_timeout)
+        targets = [self.ranks[r] for r in self.targets(ranks)]
+        return rank_calls.pull(self.channel(), targets, name, self.config.bootstrap_timeout)
 
     # ------------------------------------------------------------------ restart / stop
     def restart(self, progress: Progress | None = None) -> ClusterCore:

@@ -29,7 +29,7 @@ from nbdist.worker import (
 )
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.cell_channel import open_channel
+from nbdist.worker.cell_channel import CALLS, open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
@@ -359,6 +359,9 @@ def send_values(names: list[str], loadable: list[str] | tuple[str, ...] = ()) ->
             "notebook does not define: it could not rebuild the value. Run the same definition "
             "in a plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
     return values
+
+
+CALLS.update(push=receive_values, pull=send_values)  # what the notebook calls over the channel
 
 
 def shutdown_rank() -> None:

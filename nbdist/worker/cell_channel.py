@@ -19,16 +19,21 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 CELL_REQUEST = "nbdist_cell"
 CELL_REPLY = "nbdist_reply"
+CALL_REQUEST = "nbdist_call"
+CALL_REPLY = "nbdist_call_reply"
 PDB_ANSWER = "nbdist_pdb_answer"
 COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
 NO_CELL = b""
 """The token of a message sent while no cell runs (a widget's)."""
+
+CALLS: dict[str, Callable[..., Any]] = {}
+"""The functions a call on the channel may name (push, pull: `nbdist.worker.bootstrap`)."""
 
 ANSWER_POLL_MS = 1000
 """While pdb waits for an answer: how long one wait for the channel lasts (a SIGINT ends it)."""
@@ -168,10 +173,12 @@ class CellServer:
         kind = request["header"]["msg_type"]
         if kind in COMM_TYPES:
             _deliver_comm(kind, request)
-        elif kind == CELL_REQUEST and self.idents is not None:
+        elif kind in (CELL_REQUEST, CALL_REQUEST) and self.idents is not None:
             self.waiting.append(frames)  # an await cell still runs: this one goes next
         elif kind == CELL_REQUEST:
             self._start_cell(request["content"])
+        elif kind == CALL_REQUEST:
+            self._call(request)
         # a pdb answer nobody waits for any more (the cell ended): dropped
 
     def _start_cell(self, content: dict[str, Any]) -> None:
@@ -199,6 +206,21 @@ class CellServer:
             reply = _failed(exc)
         self.cell_task = None
         self._finish(reply)
+
+    def _call(self, request: dict[str, Any]) -> None:
+        """A call between cells (push, pull): its result or error back, under its token."""
+        from ipyparallel.serialize import deserialize_object, serialize_object
+
+        content = request["content"]
+        buffers: list[Any] = []
+        try:
+            args, _rest = deserialize_object(request["buffers"])
+            buffers = serialize_object(CALLS[str(content["name"])](*args))
+            reply: dict[str, Any] = {"status": "ok"}
+        except Exception as exc:
+            reply = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)}
+        idents = [str(content["token"]).encode(), str(self.rank).encode()]
+        self.session.send(self.out, CALL_REPLY, content=reply, buffers=buffers, ident=idents)
 
     def _needs_loop(self, code: str) -> str | None:
         """The transformed cell when it has top-level await (IPython's own test), else None."""
