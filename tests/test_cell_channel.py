@@ -180,3 +180,29 @@ def test_breakpoint_answers_over_the_channel(cluster2, monkeypatch):
 
 def test_a_ranks_widget_works_both_ways(cluster2, monkeypatch):
     rank_parity.check_widget(cluster2, monkeypatch, rank=0)
+
+
+def test_a_widget_moved_during_a_pdb_prompt_moves_once_the_cell_ends(cluster2, monkeypatch):
+    """The rank reads its channel itself while pdb waits: a widget message that comes meanwhile
+    waits, as ipykernel would keep it, and reaches the widget once the cell is over."""
+    import builtins
+
+    import comm
+
+    frontend = rank_parity.Frontend()
+    monkeypatch.setattr(comm, "create_comm", frontend.create_comm)
+    shown = cluster2.run("import ipywidgets\nfrom IPython.display import display\n"
+                         "knob = ipywidgets.IntSlider(value=1)\ndisplay(knob)", ranks=[1])
+    model = shown.raise_for_errors().displays[1][0]["data"][
+        "application/vnd.jupyter.widget-view+json"]["model_id"]
+
+    def ask(prompt: str = "") -> str:
+        frontend.comms[model].from_frontend({"method": "update", "state": {"value": 5},
+                                             "buffer_paths": []})
+        return "c"
+
+    monkeypatch.setattr(builtins, "input", ask)
+    stopped = cluster2.run("seen = knob.value\nbreakpoint()\n(seen, knob.value)", ranks=[1],
+                           timeout=30)
+    assert stopped.raise_for_errors().value_text(1) == "(1, 1)"
+    assert cluster2.run("knob.value", ranks=[1], timeout=30).value_text(1) == "5"

@@ -115,8 +115,7 @@ class CellServer:
         self.out = _Locked(self._push(setup))
         self.loop = IOLoop.current()
         self.idents: list[bytes] | None = None  # the running cell's token and rank
-        self.cell_task: asyncio.Task[None] | None = None
-        self.waiting: list[list[bytes]] = []  # requests that came while a cell ran
+        self.waiting: list[dict[str, Any]] = []  # requests that came while a cell ran
         self.stream = ZMQStream(self.requests, self.loop)
         self.stream.on_recv(self._on_request)
         self.iopub = sys.stdout.pub_thread  # the engine's IOPubThread: every publisher sends through it
@@ -168,13 +167,15 @@ class CellServer:
 
     def _on_request(self, frames: list[bytes]) -> None:
         request = self._parse(frames)
-        if request is None:
-            return
+        if request is not None:
+            self._dispatch(request)
+
+    def _dispatch(self, request: dict[str, Any]) -> None:
         kind = request["header"]["msg_type"]
         if kind in COMM_TYPES:
             _deliver_comm(kind, request)
         elif kind in (CELL_REQUEST, CALL_REQUEST) and self.idents is not None:
-            self.waiting.append(frames)  # an await cell still runs: this one goes next
+            self.waiting.append(request)  # an await cell still runs: this one goes next
         elif kind == CELL_REQUEST:
             self._start_cell(request["content"])
         elif kind == CALL_REQUEST:
@@ -186,7 +187,7 @@ class CellServer:
         code = str(content["code"])
         transformed = self._needs_loop(code)
         if transformed is not None:  # top-level await: a task on the engine's loop
-            self.cell_task = asyncio.ensure_future(self._run_async(code, transformed))
+            asyncio.ensure_future(self._run_async(code, transformed))
             return
         try:
             with _interruptible(None):
@@ -204,7 +205,6 @@ class CellServer:
             reply = _reply(result, interrupted[0])
         except BaseException as exc:
             reply = _failed(exc)
-        self.cell_task = None
         self._finish(reply)
 
     def _call(self, request: dict[str, Any]) -> None:
@@ -239,8 +239,8 @@ class CellServer:
         idents, self.idents = self.idents, None
         self.session.send(self.out, CELL_REPLY, content=reply, ident=idents)
         waiting, self.waiting = self.waiting, []
-        for frames in waiting:  # in order, each on a later turn of the loop
-            self.loop.add_callback(self._on_request, frames)
+        for request in waiting:  # in order, each on a later turn of the loop
+            self.loop.add_callback(self._dispatch, request)
 
     def wait_for_answer(self, seq: str) -> str:
         """The notebook's answer to pdb prompt `seq` (on the main thread, while the cell that
@@ -258,7 +258,7 @@ class CellServer:
                 continue
             content = request["content"]
             if request["header"]["msg_type"] != PDB_ANSWER:
-                self.waiting.append(frames)  # a widget's message: after the cell
+                self.waiting.append(request)  # a widget's message: after the cell
             elif content.get("seq") == seq:
                 return str(content.get("line", "c"))
 
