@@ -147,10 +147,13 @@ class NotebookChannel:
                     continue  # a cell's late output, given up on
                 waiting.discard(message.rank)
                 content = message.msg["content"]
-                if content.get("status") == "ok":
-                    out.results[message.rank] = deserialize_object(message.msg["buffers"])[0]
-                else:
+                if content.get("status") != "ok":
                     out.failures[message.rank] = f"{content.get('ename')}: {content.get('evalue')}"
+                    continue
+                try:
+                    out.results[message.rank] = deserialize_object(message.msg["buffers"])[0]
+                except Exception as exc:  # e.g. a class the ranks define and this process not
+                    out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
         return out
 
