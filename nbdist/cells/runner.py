@@ -84,10 +84,13 @@ class CellRun:
         relay_widgets(self.channel, self.cluster.ranks)
         self._send()
         try:
+            self.channel.hold()  # this thread reads the answers while the cell runs
             self._wait()
         except KeyboardInterrupt:
             self.result.interrupted = True
             self.policy.on_interrupt()
+        finally:
+            self.channel.release()
         self._finalize()
         return self.result
 

@@ -18,6 +18,7 @@ import queue
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -74,6 +75,11 @@ class NotebookChannel:
             pull.curve_server = True
         port = pull.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
+        self._pull = pull  # the reader thread's, or the main thread's while it holds it
+        self._poller = zmq.Poller()
+        self._poller.register(pull, zmq.POLLIN)
+        self._held = False
+        self._holds = 0
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
         self.on_comm: CommHandler | None = None
         self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
@@ -85,7 +91,7 @@ class NotebookChannel:
         self._wake.bind(wake_address)
         woken = self.context.socket(zmq.PAIR)
         woken.connect(wake_address)
-        self._reader = threading.Thread(target=self._read, args=(pull, woken),
+        self._reader = threading.Thread(target=self._read, args=(woken,),
                                         name="nbdist-cell-channel", daemon=True)
         self._reader.start()
 
@@ -132,14 +138,22 @@ class NotebookChannel:
         """Call one of the ranks' channel functions (`nbdist.worker.cell_channel.CALLS`) on
         each rank and collect the results under one deadline (between cells: the runner is the
         only other reader of `inbox`); never raises for a rank's failure or silence."""
-        from ipyparallel.serialize import deserialize_object, serialize_object
+        from ipyparallel.serialize import serialize_object
 
         token = self.new_token()
         buffers = serialize_object(args)
         for rank, endpoint in endpoints.items():
             self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
+        self.hold()
+        try:
+            return self._answers(token, set(endpoints), timeout)
+        finally:
+            self.release()
+
+    def _answers(self, token: str, waiting: set[int], timeout: float) -> Gathered[int]:
+        from ipyparallel.serialize import deserialize_object
+
         out: Gathered[int] = Gathered()
-        waiting = set(endpoints)
         deadline = time.monotonic() + timeout
         while waiting and time.monotonic() < deadline:
             for message in self.receive(max(0.0, deadline - time.monotonic())):
@@ -158,44 +172,85 @@ class NotebookChannel:
         return out
 
     # ------------------------------------------------------------------ receiving
+    def hold(self) -> None:
+        """Read the PULL on this thread until `release` (a cell or a call waits for answers:
+        one thread wake-up less per message); what the reader thread took before it let go is
+        read from `inbox` first."""
+        self._holds += 1
+        tag = str(self._holds).encode()
+        self._wake.send(b"hold " + tag)
+        interrupted = False
+        while True:  # the stop button waits for the answer: it comes at once
+            try:
+                if self._wake.recv() == tag:
+                    break
+            except KeyboardInterrupt:
+                interrupted = True
+        self._held = True
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def release(self) -> None:
+        """The reader thread reads again (between cells: a rank's widget messages)."""
+        self._held = False
+        self._wake.send(b"read")
+
     def receive(self, timeout: float) -> list[ChannelMessage]:
         """Whatever arrived for the cell runner within `timeout` seconds (returns as soon as
         something did)."""
-        try:
-            first = self.inbox.get(timeout=timeout) if timeout > 0 else self.inbox.get_nowait()
-        except queue.Empty:
-            return []
-        messages = [first]
+        messages = []
         while True:
             try:
                 messages.append(self.inbox.get_nowait())
             except queue.Empty:
+                break
+        if not self._held:
+            if messages or timeout <= 0:
                 return messages
+            try:
+                return [self.inbox.get(timeout=timeout), *self.receive(0)]
+            except queue.Empty:
+                return []
+        wait = 0 if messages else max(0, int(timeout * 1000))
+        if self._poller.poll(wait):
+            self._drain(self._pull, messages.append)
+        return messages
 
-    def _read(self, pull: Any, woken: Any) -> None:
+    def _read(self, woken: Any) -> None:
+        """The reader thread: the PULL between cells, until `close`."""
         zmq = self._zmq
         poller = zmq.Poller()
-        poller.register(pull, zmq.POLLIN)
+        poller.register(self._pull, zmq.POLLIN)
         poller.register(woken, zmq.POLLIN)
         try:
-            while woken not in dict(poller.poll()):
-                while True:
-                    try:
-                        frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-                    except zmq.Again:
-                        break
-                    message = self._parse(frames)
-                    if message is not None:
-                        self._route(message)
+            order = b""
+            while order != b"stop":
+                order = woken.recv() if woken in dict(poller.poll()) else b""
+                while order.startswith(b"hold "):  # the socket is the main thread's meanwhile
+                    woken.send(order[5:])
+                    order = woken.recv()
+                self._drain(self._pull, self.inbox.put)
         finally:
-            pull.close(linger=0)
+            self._pull.close(linger=0)
             woken.close(linger=0)
 
-    def _route(self, message: ChannelMessage) -> None:
-        if message.msg["header"]["msg_type"] not in COMM_TYPES:
-            if message.token:
-                self.inbox.put(message)
-            return
+    def _drain(self, pull: Any, deliver: Callable[[ChannelMessage], None]) -> None:
+        """Every message waiting on the PULL: a widget's to `on_comm`, a cell's to `deliver`."""
+        zmq = self._zmq
+        while True:
+            try:
+                frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
+            message = self._parse(frames)
+            if message is None:
+                continue
+            if message.msg["header"]["msg_type"] in COMM_TYPES:
+                self._to_widgets(message)
+            elif message.token:
+                deliver(message)
+
+    def _to_widgets(self, message: ChannelMessage) -> None:
         handler = self.on_comm
         if handler is not None:
             try:
@@ -213,7 +268,7 @@ class NotebookChannel:
             return None
 
     def close(self) -> None:
-        self._wake.send(b"")
+        self._wake.send(b"stop")
         self._reader.join(CLOSE_TIMEOUT)
         if self.on_comm is not None:
             self.on_comm.close()
