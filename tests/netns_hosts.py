@@ -166,7 +166,7 @@ def hosts_network(names: tuple[str, ...] = HOSTS) -> Iterator[Network]:
 
 
 def ssh_launcher_options(net: Network, ranks_per_host: int = 2) -> dict[str, Any]:
-    """`launcher_options` for an ssh cluster on these hosts (fast heartbeats, this tree's nbdist)."""
+    """`launcher_options` for an ssh cluster on these hosts (fast heartbeats, this nbdist)."""
     return {"hosts": {h.address: ranks_per_host for h in net.hosts}, "ssh_args": net.ssh_args,
             "scp_args": net.ssh_args, "heartbeat_period_ms": 500, "heartbeat_misses": 6,
             "environment": {"PYTHONPATH": SOURCE}}

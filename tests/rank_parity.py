@@ -140,7 +140,8 @@ class FrontendComm:
         self._on_msg({"content": {"comm_id": self.comm_id, "data": data}, "buffers": []})
 
     def states(self) -> list[dict[str, Any]]:
-        return [m.get("state", {}) for m in self.sent if m.get("method") in ("update", "echo_update")]
+        updates = [m for m in self.sent if m.get("method") in ("update", "echo_update")]
+        return [m.get("state", {}) for m in updates]
 
 
 class Frontend:

@@ -92,7 +92,8 @@ def test_cells_do_not_pass_through_the_controller(cluster2):
     for proc in family:
         proc.suspend()
     try:
-        result = cluster2.run("_u = torch.ones(2) * rank\ndist.all_reduce(_u)\nfloat(_u[0])", timeout=10)
+        result = cluster2.run("_u = torch.ones(2) * rank\ndist.all_reduce(_u)\nfloat(_u[0])",
+                              timeout=10)
     finally:
         for proc in family:
             proc.resume()
@@ -100,7 +101,7 @@ def test_cells_do_not_pass_through_the_controller(cluster2):
 
 
 def test_an_unsigned_or_wrongly_signed_cell_is_refused(cluster2, tmp_path):
-    """Anyone on the machine can reach a loopback port: a cell must carry the cluster's signature."""
+    """Anyone on the machine can reach a loopback port: a cell must carry the cluster's key."""
     marker = tmp_path / "ran"
     code = f"open({str(marker)!r}, 'w').write('x')"
     context = zmq.Context()
@@ -121,7 +122,8 @@ def test_an_unsigned_or_wrongly_signed_cell_is_refused(cluster2, tmp_path):
 def test_output_printed_between_cells_does_not_reach_the_next(cluster2):
     """A thread that prints after its cell ended, while no cell runs: as through ipyparallel, the
     next cell does not show it (the engine hands its output to the channel only during a cell)."""
-    cluster2.run("import threading\nthreading.Timer(0.2, lambda: print('late')).start()").raise_for_errors()
+    timer = cluster2.run("import threading\nthreading.Timer(0.2, lambda: print('late')).start()")
+    timer.raise_for_errors()
     time.sleep(0.8)
     later = cluster2.run("print('mine')").raise_for_errors()
     assert later.stdout == {0: "mine\n", 1: "mine\n"}

@@ -67,7 +67,8 @@ def _streams(messages: list[dict[str, Any]]) -> str:
 def test_a_slider_on_rank_0_is_drawn_and_moved(frontend: Frontend) -> None:
     frontend.run("%load_ext nbdist\n%dist_start -n 2")
     shown = frontend.run("%%distributed --ranks 0\nimport ipywidgets\n"
-                         "slider = ipywidgets.IntSlider(value=3, description='lr')\ndisplay(slider)")
+                         "slider = ipywidgets.IntSlider(value=3, description='lr')\n"
+                         "display(slider)")
     opened = {m["content"]["comm_id"]: m["content"] for m in shown if m["msg_type"] == "comm_open"}
     views = [m["content"]["data"][WIDGET_VIEW]["model_id"] for m in shown
              if m["msg_type"] == "display_data" and WIDGET_VIEW in m["content"]["data"]]

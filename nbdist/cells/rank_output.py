@@ -57,7 +57,8 @@ def read_message(message: ChannelMessage, out: RankOutput) -> tuple[str, Any] | 
         return ("telemetry", payload) if payload is not None else None
     elif msg_type == CELL_REPLY:
         if content.get("status") != "ok" and (out.error is None or content.get("interrupted")):
-            out.error = _interrupted(out.error) if content.get("interrupted") else remote_error(content)
+            interrupted = content.get("interrupted")
+            out.error = _interrupted(out.error) if interrupted else remote_error(content)
         return "done", None
     return None
 
@@ -65,8 +66,9 @@ def read_message(message: ChannelMessage, out: RankOutput) -> tuple[str, Any] | 
 def remote_error(content: dict[str, Any]) -> SimpleNamespace:
     """An error as a rank reports it (ename, evalue, traceback text)."""
     traceback = content.get("traceback") or []
-    return SimpleNamespace(ename=content.get("ename", "Exception"), evalue=content.get("evalue", ""),
-                           traceback="\n".join(traceback) if isinstance(traceback, list) else str(traceback))
+    text = "\n".join(traceback) if isinstance(traceback, list) else str(traceback)
+    return SimpleNamespace(ename=content.get("ename", "Exception"),
+                           evalue=content.get("evalue", ""), traceback=text)
 
 
 def _interrupted(error: SimpleNamespace | None) -> SimpleNamespace:

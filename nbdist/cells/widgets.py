@@ -36,7 +36,8 @@ class WidgetRelay:
             self._open(message.rank, comm_id, msg)
             return
         with self.lock:
-            known = self.twins.pop(comm_id, None) if kind == "comm_close" else self.twins.get(comm_id)
+            closing = kind == "comm_close"
+            known = self.twins.pop(comm_id, None) if closing else self.twins.get(comm_id)
         if known is None:
             return
         twin = known[1]

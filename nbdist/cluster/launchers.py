@@ -73,9 +73,9 @@ RENDEZVOUS_WARNING = (
     "rendezvous store (MASTER_ADDR:MASTER_PORT on rank 0) and gloo/NCCL connections are "
     "unauthenticated and unencrypted: anyone who can reach those ports can join or disturb the "
     "process group. Keep the ranks on a private network (a cluster fabric, a VPN, a firewalled "
-    "VLAN) and pin it with --interface IFACE (Cluster(interface=...)). nbdist's cell channel (cells, "
-    "their output, pdb, widgets) is signed and CurveZMQ-encrypted; ipyparallel's connection is "
-    "signed, and launcher_options={'curve': True} (--curve) encrypts it too."
+    "VLAN) and pin it with --interface IFACE (Cluster(interface=...)). nbdist's cell channel "
+    "(cells, their output, pdb, widgets) is signed and CurveZMQ-encrypted; ipyparallel's "
+    "connection is signed, and launcher_options={'curve': True} (--curve) encrypts it too."
 )
 
 

@@ -8,8 +8,9 @@ messages; a cell with top-level await runs there as a task. Its output is the ve
 ipykernel publishes (stream, display_data, execute_result, error, data_message, comm_*): the
 engine's IOPub thread hands them to the channel while a cell runs, and a widget's (comm)
 messages at any time. Every message is signed with the cluster's key, both ways; across hosts
-the sockets are also CurveZMQ-encrypted. ipyparallel still launches, registers and watches the
-engine, and carries the calls between cells (setup, push, pull, reports).
+the sockets are also CurveZMQ-encrypted. Push and pull are calls on the channel too (`CALLS`);
+ipyparallel still launches, registers and watches the engine, and carries the other calls
+between cells (setup, process-group rebuilds, reports).
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ class CellServer:
         self.waiting: list[dict[str, Any]] = []  # requests that came while a cell ran
         self.stream = ZMQStream(self.requests, self.loop)
         self.stream.on_recv(self._on_request)
-        self.iopub = sys.stdout.pub_thread  # the engine's IOPubThread: every publisher sends through it
+        self.iopub = sys.stdout.pub_thread  # the engine's IOPubThread: every publisher's way out
         self.iopub.send_multipart = self._forward  # an instance attribute: shadows the method
 
     def _socket(self, kind: int) -> Any:
