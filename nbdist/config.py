@@ -7,7 +7,8 @@ Tests build a config with short values; users change one field with ``Cluster(co
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 
 
 @dataclass
@@ -19,10 +20,8 @@ class NbdistConfig:
     """Local engines are forked from one warm process that imported torch once (fast start and
     restart); False starts each engine as a fresh interpreter, as ipyparallel does."""
 
-    direct_cells: bool = True
-    """Cells go to local ranks over nbdist's own socket to each engine, not through ipyparallel's
-    controller (same output, errors and stop button; a no-op cell in a fraction of the time);
-    False sends every cell through ipyparallel, as ranks on other machines always are."""
+    direct_cells: InitVar[bool | None] = None
+    """Deprecated and ignored: every cell goes to every rank over the cell channel."""
 
     batch_queue_timeout: float = 0.0
     """Seconds a batch job (Slurm) may wait in the queue before start gives up and cancels it; 0:
@@ -143,17 +142,28 @@ class NbdistConfig:
     telemetry_log_spacing: float = 0.1
     """Least seconds between two rank publishes prompted by ``nbdist.log()`` (batches a fast loop)."""
 
-    breakpoint_poll_interval: float = 0.02
-    """While a rank waits at a ``breakpoint()`` prompt, seconds between looks for the notebook's
-    answer (a file in the cluster's work directory)."""
-
     memory_limit: int | str | None = None
     """Per-rank memory budget (bytes, or "512MiB", "1GiB", "2GB"): what each rank may allocate
     after start-up (RLIMIT_DATA on CPU, a CUDA memory fraction on GPU; see nbdist.worker.memory_limit).
     None: no limit. Set by ``Cluster(memory_limit=...)`` and ``%dist_start --memory-limit``."""
 
+    def __post_init__(self, direct_cells: bool | None) -> None:
+        if direct_cells is not None:
+            _direct_cells_deprecated(stacklevel=4)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name == "direct_cells":
+            _direct_cells_deprecated(stacklevel=3)
+            return
+        super().__setattr__(name, value)
+
     def replace(self, **changes: object) -> NbdistConfig:
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
+
+
+def _direct_cells_deprecated(stacklevel: int) -> None:
+    warnings.warn("NbdistConfig.direct_cells is deprecated and ignored: every cell goes to every "
+                  "rank over nbdist's cell channel", DeprecationWarning, stacklevel=stacklevel)
 
 
 DEFAULT = NbdistConfig()

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbdist import torch_support
+from nbdist.cluster.cell_channel import NotebookChannel
 from nbdist.cluster.launchers import LauncherPlan
 from nbdist.cluster.memory_limit import memory_limit_bytes
 from nbdist.cluster.ranks import (
@@ -31,6 +32,7 @@ from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engi
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistWarning
 from nbdist.worker import bootstrap
+from nbdist.worker.cell_channel import ChannelSetup
 
 
 def rank_count(requested_n: int | None, plan: LauncherPlan) -> int:
@@ -103,7 +105,7 @@ def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: 
 
 def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, port: int,
                 generation: int, rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                requested_threads: int | None, cell_channel: str | None) -> list[RankProcess]:
+                requested_threads: int | None, channel: NotebookChannel) -> list[RankProcess]:
     """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
     cwd = os.getcwd()
     own_cores = cores_of_their_own(specs, probes)
@@ -112,7 +114,8 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
         options = setup_options(
             spec, probes[spec.engine_id], port=port, generation=generation, rendezvous=rendezvous,
             config=config, workdir=workdir, requested_threads=requested_threads, cwd=cwd,
-            cell_channel=cell_channel, own_cores=own_cores[spec.host],
+            channel=channel.setup_for(rendezvous.channel_host(probes[spec.engine_id])),
+            own_cores=own_cores[spec.host],
         )
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
             bootstrap.setup_rank, spec_dict(spec), options)
@@ -122,7 +125,7 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
 
 def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
                   rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                  requested_threads: int | None, cwd: str, cell_channel: str | None,
+                  requested_threads: int | None, cwd: str, channel: ChannelSetup,
                   own_cores: bool = False) -> dict[str, Any]:
     """What one rank's setup_rank call gets besides its spec."""
     threads = requested_threads or default_threads(probe["cpu_count"] or 1,
@@ -147,13 +150,11 @@ def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generatio
         "socket_ifname": "lo" if master_addr.startswith("127.") else None,
         "interface_env": rendezvous.interface_env(probe),
         "store_path": rendezvous.store_path(workdir, generation),
-        # the cluster's private directory, for a rank on this machine only: breakpoint() answers
-        # travel as files there, and the flight recorder's dump goes there
+        # the cluster's private directory, for a rank on this machine only: the flight
+        # recorder's dump goes there
         "private_dir": workdir if is_local_engine(probe) else None,
-        "breakpoint_poll_interval": config.breakpoint_poll_interval,
         "memory_limit": memory_limit_bytes(config.memory_limit),
-        # where a local rank sends what its direct cells produce (a loopback socket)
-        "cell_channel": cell_channel if is_local_engine(probe) else None,
+        "channel": channel,  # cells, their output, pdb answers, widget messages
     }
 
 
@@ -189,7 +190,7 @@ def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
             local=is_local_engine(probes[spec.engine_id]),
             release_signal=probes[spec.engine_id].get("release_signal"),
             report_signal=probes[spec.engine_id].get("report_signal"),
-            cell_port=results[spec.engine_id].get("cell_port"),
+            endpoint=results[spec.engine_id].get("channel"),
             notes=list(results[spec.engine_id].get("notes") or []),
         )
         for spec in specs

@@ -83,7 +83,8 @@ def _join_together(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int
                                 # the rank it replaces had its host's share worked out already
                                 requested_threads=(cluster.requested_threads
                                                    or cluster.ranks[spec.rank].threads),
-                                cwd=os.getcwd(), cell_channel=cluster.cell_channel_address())
+                                cwd=os.getcwd(), channel=cluster.channel().setup_for(
+                                    cluster._rendezvous.channel_host(probes[spec.engine_id])))
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
             bootstrap.setup_rank, spec_dict(spec), options)
     rebuilds = {p.spec.engine_id: client[p.spec.engine_id].apply_async(

@@ -29,7 +29,7 @@ from nbdist.worker import (
 )
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.cell_channel import open_channel
+from nbdist.worker.cell_channel import CALLS, open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
@@ -102,10 +102,8 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
     _define_names(shell, spec, device)
     _install_hooks(shell)
     RUNTIME.agent = _start_telemetry(shell, spec["rank"], options, device)
-    install_breakpoint_hook(RUNTIME.agent, options.get("private_dir"),
-                            float(options.get("breakpoint_poll_interval", 0.02)))
-
-    cell_port = open_channel(spec["rank"], options["cell_channel"]) if options.get("cell_channel") else None
+    install_breakpoint_hook(RUNTIME.agent)
+    endpoint = open_channel(spec["rank"], options["channel"])
     RUNTIME.pg_timeout = float(options["pg_timeout"])
     if spec["backend"] == "gloo":  # NCCL's record completes when its watchdog looks: no wait
         RUNTIME.cell_end_collective_wait = float(options.get("cell_end_collective_wait", 0.0))
@@ -122,7 +120,7 @@ def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
         "threads": threads,
         "pg_seconds": init["seconds"],
         "memory_limit": memory_limit,
-        "cell_port": cell_port,
+        "channel": endpoint,
         "notes": notes,
     }
 
@@ -389,6 +387,9 @@ def send_values(names: list[str], loadable: list[str] | tuple[str, ...] = ()) ->
             "notebook does not define: it could not rebuild the value. Run the same definition "
             "in a plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
     return values
+
+
+CALLS.update(push=receive_values, pull=send_values)  # what the notebook calls over the channel
 
 
 def shutdown_rank() -> None:
