@@ -69,6 +69,10 @@ def test_push_pull_round_trip_tensors_and_objects(cluster2: Cluster):
     cluster2.run("weights = weights * (rank + 1)").raise_for_errors()
     pulled = cluster2.pull("weights")
     assert torch.equal(pulled[0], weights) and torch.equal(pulled[1], weights * 2)
+    # in rank order, as %dist_pull shows it, whichever rank answered first (rank 0 sends 100 MB)
+    cluster2.run("big = torch.zeros(25_000_000 if rank == 0 else 1)").raise_for_errors()
+    assert list(cluster2.pull("big")) == [0, 1]
+    cluster2.run("del big").raise_for_errors()
     assert cluster2.pull("config")[1] == {"lr": 0.1, "layers": [1, 2]}
 
 

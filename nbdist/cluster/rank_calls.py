@@ -46,7 +46,8 @@ def pull(channel: NotebookChannel, ranks: Sequence[RankProcess], name: str,
     if gathered.failures:
         first = min(gathered.failures)
         raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
-    return {r: values[name] for r, values in gathered.results.items()}
+    # rank order, whatever order the answers came in (the dict is what %dist_pull shows)
+    return {r: gathered.results[r][name] for r in sorted(gathered.results)}
 
 
 def notebook_classes() -> list[str]:
