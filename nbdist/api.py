@@ -27,12 +27,12 @@ from nbdist.cluster.arguments import (
     check_code,
     check_directory,
     check_rank_selection,
-    check_seconds,
+    check_timeout,
 )
 from nbdist.cluster.core import ClusterCore, Progress
-from nbdist.cluster.memory_limit import with_memory_limit
 from nbdist.cluster.replace import replace_dead_ranks
 from nbdist.cluster.status import ClusterStatus
+from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import DistributedCellError
 from nbdist.export.run import script_cell
 
@@ -58,8 +58,9 @@ class Cluster(ClusterCore):
         (nbdist.worker.memory_limit). `tensorboard`: a log directory; every rank's `nbdist.log`
         values are also written there as TensorBoard scalars (`loss/rank0`, ...) in one new run
         directory, `self.tensorboard.run_dir`. The rest: see `ClusterCore`."""
-        if memory_limit is not None:  # checked here, before anything starts
-            kwargs["config"] = with_memory_limit(kwargs.get("config"), memory_limit)
+        config = kwargs.get("config") or DEFAULT
+        if memory_limit is not None and isinstance(config, NbdistConfig):
+            kwargs["config"] = config.replace(memory_limit=memory_limit)  # checked there
         self.tensorboard: TensorBoardWriter | None = None
         if tensorboard is not None:  # checked (and the package looked for) before anything starts
             from nbdist.dashboard.tensorboard import TensorBoardWriter
@@ -92,7 +93,7 @@ class Cluster(ClusterCore):
         """Run code on the chosen ranks (all by default); returns a `CellResult`. `profile`:
         True or a trace path: torch.profiler on every rank, merged into `last_profile` (and
         written to that path as a Chrome/Perfetto trace)."""
-        code, ranks, timeout = check_code(code), check_rank_selection(ranks), check_seconds(timeout)
+        code, ranks, timeout = check_code(code), check_rank_selection(ranks), check_timeout(timeout)
         self._require_running()
         if profile is None or profile is False:
             self.last_result = run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)

@@ -56,7 +56,7 @@ def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
         except ClusterStartError:
             ids = wait_for_registered(client, None, config)
             say(f"only {len(ids)} of the {started} engine(s) the cluster file lists registered "
-                f"within {config.engine_start_timeout:.0f} s; using those")
+                f"within {config.start.engine_start_timeout:.0f} s; using those")
     say(f"attached to {len(ids)} engine(s) of an existing cluster ({target})")
     return client, ids
 
@@ -97,7 +97,7 @@ def wait_for_registered(client: Any, n: int | None, config: NbdistConfig,
                         exclude: Iterable[int] = ()) -> list[int]:
     """Engines of an attached cluster: n of them (all there are when n is None)."""
     skip = set(exclude)
-    deadline = time.monotonic() + config.engine_start_timeout
+    deadline = time.monotonic() + config.start.engine_start_timeout
     while True:
         ids = sorted(set(client.ids) - skip)
         if ids and (n is None or len(ids) >= n):
@@ -105,9 +105,9 @@ def wait_for_registered(client: Any, n: int | None, config: NbdistConfig,
         if time.monotonic() > deadline:
             raise ClusterStartError(
                 f"{len(ids)} engine(s) registered with the attached cluster within "
-                f"{config.engine_start_timeout:.0f} s; {n or 'at least one'} needed"
+                f"{config.start.engine_start_timeout:.0f} s; {n or 'at least one'} needed"
             )
-        time.sleep(config.startup_poll_interval)
+        time.sleep(config.internal.startup_poll_interval)
 
 
 def leave_engines(client: Any, engine_ids: list[int], timeout: float) -> None:
@@ -122,7 +122,8 @@ def restart_attached(cluster: Any, n: int, say: Callable[[str], None]) -> None:
     (the living ones and any the user started) and sets them up as ranks again."""
     client, config = cluster._client, cluster.config
     alive = [p for p in cluster.ranks if p.state == "alive" and p.spec.engine_id in client.ids]
-    cluster.teardown_process_group([p.spec.rank for p in alive], timeout=config.rebuild_timeout)
+    cluster.teardown_process_group([p.spec.rank for p in alive],
+                                   timeout=config.start.rebuild_timeout)
     dead_ids = [p.spec.engine_id for p in cluster.ranks if p not in alive]
     say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
     ids = wait_for_registered(client, n, config, exclude=dead_ids)

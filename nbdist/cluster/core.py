@@ -127,7 +127,8 @@ class ClusterCore:
     def cell_channel_address(self) -> str | None:
         """Where local ranks send what their direct cells produce (the channel is made on first
         use); None when every cell goes through ipyparallel (NbdistConfig.direct_cells)."""
-        self.cell_channel = self.cell_channel or open_channel(self._client, self.config.direct_cells)
+        direct = self.config.start.direct_cells
+        self.cell_channel = self.cell_channel or open_channel(self._client, direct)
         return self.cell_channel.address if self.cell_channel is not None else None
 
     def is_registered(self, engine_id: int) -> bool:
@@ -205,7 +206,7 @@ class ClusterCore:
         client = self._client
         ids = engine_ids if engine_ids is not None else sorted(client.ids)
         say(f"{len(ids)} engine(s) registered; setting up ranks")
-        timeout = self.config.bootstrap_timeout
+        timeout = self.config.start.bootstrap_timeout
         host_order = [p.spec.host for p in self.ranks] if self.ranks else None
         specs, probes = rank_setup.probe_and_plan(client, ids, self.requested_backend,
                                                   self.gpus_per_rank, host_order, timeout)
@@ -283,23 +284,23 @@ class ClusterCore:
         started = time.perf_counter()
         self.generation += 1
         port = self._rendezvous.port(self._client, self.ranks[0].spec.engine_id,
-                                     self.config.bootstrap_timeout)
+                                     self.config.start.bootstrap_timeout)
         rank_calls.rebuild_process_groups(
             {p.spec.engine_id: self._client[p.spec.engine_id] for p in self.ranks},
             port=port, generation=self.generation, master_addr=self.master_addr,
             store_path=self._rendezvous.store_path(self.workdir, self.generation),
-            timeout=self.config.rebuild_timeout)
+            timeout=self.config.start.rebuild_timeout)
         return time.perf_counter() - started
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         views = {r: self.view(r) for r in self.targets(ranks)}
-        rank_calls.push(views, values, self.config.bootstrap_timeout)
+        rank_calls.push(views, values, self.config.start.bootstrap_timeout)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
         views = {r: self.view(r) for r in self.targets(ranks)}
-        return rank_calls.pull(views, name, self.config.bootstrap_timeout)
+        return rank_calls.pull(views, name, self.config.start.bootstrap_timeout)
 
     # ------------------------------------------------------------------ restart / stop
     def restart(self, progress: Progress | None = None) -> ClusterCore:
@@ -356,7 +357,7 @@ class ClusterCore:
         owned = self._owned_pids()
         if self._attached and self._client is not None:
             alive = [p.spec.engine_id for p in self.ranks if p.state == "alive"]
-            attaching.leave_engines(self._client, alive, self.config.stop_timeout)
+            attaching.leave_engines(self._client, alive, self.config.start.stop_timeout)
         elif self._engines.ipp is not None and not self._plan.engine_pids_local:
             if not self._engines.stop_through_ipyparallel():  # ssh kill / scancel
                 self._ask_remote_engines_to_exit()
@@ -364,7 +365,7 @@ class ClusterCore:
         self._client = None
         close_channel(self.cell_channel)
         self.cell_channel = None
-        watchdog.terminate_all(owned, grace=self.config.stop_timeout)
+        watchdog.terminate_all(owned, grace=self.config.start.stop_timeout)
         self._engines.forget()
         self._processes.stop_watchdog()
         self._processes.remove_workdir()

@@ -126,12 +126,12 @@ class Liveness:
 
     def _wait_exit_code(self, pid: int) -> Any:
         """The launcher's wait thread reaps the engine and records its status a moment later."""
-        deadline = time.monotonic() + self.config.exit_status_timeout
+        deadline = time.monotonic() + self.config.internal.exit_status_timeout
         while time.monotonic() < deadline:
             with self._lock:
                 if pid in self._exit_codes:
                     return self._exit_codes[pid]
-            time.sleep(self.config.exit_status_poll_interval)
+            time.sleep(self.config.internal.exit_status_poll_interval)
         return "unknown"
 
 

@@ -76,8 +76,8 @@ class OwnedProcesses:
         self.watchdog = subprocess.Popen(
             [sys.executable, "-m", "nbdist.cluster.watchdog", "--parent", str(me.pid),
              "--parent-create-time", repr(me.create_time()), "--pidfile", self.pidfile,
-             "--workdir", self.workdir, "--interval", str(self.config.watchdog_interval),
-             "--grace", str(self.config.orphan_kill_grace)],
+             "--workdir", self.workdir, "--interval", str(self.config.internal.watchdog_interval),
+             "--grace", str(self.config.internal.orphan_kill_grace)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -94,7 +94,7 @@ class OwnedProcesses:
         except OSError:
             pass
         try:
-            self.watchdog.wait(timeout=2 * self.config.watchdog_interval + 1)
+            self.watchdog.wait(timeout=2 * self.config.internal.watchdog_interval + 1)
         except subprocess.TimeoutExpired:
             self.watchdog.send_signal(signal.SIGKILL)
             self.watchdog.wait(timeout=2)
