@@ -40,7 +40,7 @@ def test_cell_before_start_says_so(ip):
 
 
 @pytest.mark.parametrize("line,message", [
-    ("-n 0", "must be 1 or more"), ("-n two", "not a whole number"),
+    ("-n 0", "1 or more"), ("-n two", "not a whole number"),
     ("--backend mpi", "invalid choice"), ("--bogus", "unrecognized arguments"),
 ])
 def test_bad_start_arguments(ip, line, message):
