@@ -84,7 +84,7 @@ class Cluster(ClusterCore):
         job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
         group; restart() waits for the engines to be back (restart them yourself)."""
         cluster = cls(n=n, **kwargs)
-        cluster._attach_target = attaching.attach_target(profile, cluster_id, profile_dir, url_file)
+        cluster.attach_to(attaching.attach_target(profile, cluster_id, profile_dir, url_file))
         cluster.start(progress)
         return cluster
 
@@ -134,8 +134,8 @@ class Cluster(ClusterCore):
         """Run an existing torchrun script unchanged on the chosen ranks (`%dist_run`): as
         `__main__`, with `sys.argv = [path, *args]` and torchrun's environment; `sys.exit(0)` is
         success. It runs in each rank's namespace, so its globals stay there for the next cell."""
-        local = all(p.local for p in self.ranks)
-        return self.run(script_cell(path, args, must_exist=local), ranks=ranks, timeout=timeout,
+        here = all(self.launch_mode.pid_is_here(p) for p in self.ranks)
+        return self.run(script_cell(path, args, must_exist=here), ranks=ranks, timeout=timeout,
                         sink=sink)
 
     def mark_setup_cell(self, code: str) -> None:
@@ -171,7 +171,7 @@ class Cluster(ClusterCore):
     def batch_job(self) -> SlurmJob | None:
         """The engines' Slurm job (`job_id`, `state()`, `log_tail()`) when `launcher="slurm"`
         submitted them; None otherwise."""
-        return self._engines.job
+        return self.launch_mode.batch_job
 
     def status(self) -> ClusterStatus:
         if self.running:

@@ -13,7 +13,7 @@ from typing import Any
 
 from nbdist.cluster.remote import gather
 from nbdist.config import NbdistConfig
-from nbdist.errors import ClusterStartError, NbdistError
+from nbdist.errors import ClusterStartError
 from nbdist.worker import bootstrap
 
 
@@ -28,19 +28,6 @@ def attach_target(profile: str | None, cluster_id: str, profile_dir: str | None,
     else:
         target["profile"] = profile or "default"
     return target
-
-
-def profile_target(profile: str | None, launcher: str, launcher_options: dict[str, Any]) -> dict[str, Any] | None:
-    """`Cluster(profile=...)`: attach to that profile's engines (it starts nothing itself)."""
-    if profile is None:
-        return None
-    if launcher != "local" or launcher_options:
-        raise NbdistError(
-            f"profile={profile!r} attaches to engines already running in that profile; "
-            "it does not combine with launcher= or launcher_options= (start the engines "
-            "with ipcluster, then attach)"
-        )
-    return {"profile": profile}
 
 
 def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
@@ -115,25 +102,3 @@ def leave_engines(client: Any, engine_ids: list[int], timeout: float) -> None:
     stay (best effort)."""
     registered = [eid for eid in engine_ids if eid in client.ids]
     gather({eid: client[eid].apply_async(bootstrap.shutdown_rank) for eid in registered}, timeout)
-
-
-def restart_attached(cluster: Any, n: int, say: Callable[[str], None]) -> None:
-    """An attached cluster's restart: nbdist does not own its engines, so it waits for n of them
-    (the living ones and any the user started) and sets them up as ranks again."""
-    client, config = cluster._client, cluster.config
-    alive = [p for p in cluster.ranks if p.state == "alive" and p.spec.engine_id in client.ids]
-    cluster.teardown_process_group([p.spec.rank for p in alive],
-                                   timeout=config.start.rebuild_timeout)
-    dead_ids = [p.spec.engine_id for p in cluster.ranks if p not in alive]
-    say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
-    ids = wait_for_registered(client, n, config, exclude=dead_ids)
-    cluster._bootstrap(say, engine_ids=ids)
-
-
-def attach_cluster(cluster: Any, say: Callable[[str], None], target: dict[str, Any]) -> list[int]:
-    """Connect `cluster` (a ClusterCore: not imported, it imports this module) to the engines
-    of the running cluster `target`; their ids."""
-    cluster._attached = True
-    cluster._client, ids = attach_engines(target, cluster.requested_n, cluster.config, say)
-    cluster._liveness.watch_unregistrations(cluster._client)
-    return ids

@@ -6,7 +6,6 @@ PIDs only ever come from launchers whose processes run on this machine (`has_loc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -39,8 +38,7 @@ ExitHandler = Callable[[dict[str, Any]], None]
 class Engines:
     """One ipyparallel.Cluster: controller and engine sets, and what nbdist keeps of them."""
 
-    def __init__(self, config: NbdistConfig, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
-        self.config = config
+    def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
         self.on_exit = on_exit
         self.ipp: Any = None
@@ -51,6 +49,10 @@ class Engines:
         """The engines' Slurm job, when ipyparallel's Slurm launcher submitted them."""
         self.progress: Callable[[str], None] = lambda _msg: None
         self.fork_server: ForkServerProcess | None = None  # local engines fork from it
+
+    @property
+    def config(self) -> NbdistConfig:
+        return self.processes.config
 
     def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
         """Controller, orphan watchdog and n engines; returns the connected client once the
@@ -287,13 +289,6 @@ def _end_loop_thread(ipp: Any, timeout: float) -> None:
     thread.join(timeout=timeout)
     if not thread.is_alive():
         loop.close(all_fds=False)
-
-
-def close_quietly(client: Any) -> None:
-    """Close an ipyparallel client, if any, whatever state its controller is in."""
-    if client is not None:
-        with contextlib.suppress(Exception):
-            client.close()
 
 
 def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:

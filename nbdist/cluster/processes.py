@@ -14,12 +14,10 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import psutil
 
 from nbdist.cluster import watchdog
-from nbdist.cluster.ranks import RankProcess
 from nbdist.config import NbdistConfig
 
 Pid = tuple[int, float]
@@ -131,29 +129,3 @@ def process_trees(pids: Iterable[int]) -> list[Pid]:
         except psutil.NoSuchProcess:
             continue
     return found
-
-
-def signal_rank_process(proc: RankProcess, sig: int, client: Any) -> None:
-    """Deliver `sig` to a rank's engine: by PID here (if it is still that process), through the
-    controller for an engine on another machine (its nanny delivers it)."""
-    if not proc.local:
-        try:
-            client.send_signal(int(sig), targets=[proc.spec.engine_id], block=False)
-        except Exception:
-            pass
-        return
-    if watchdog.same_process(proc.pid, proc.create_time) is None:
-        return
-    try:
-        os.kill(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def release_rank_process(proc: RankProcess, client: Any) -> bool:
-    """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);
-    False if its engine was not started by nbdist and has no such signal."""
-    if proc.release_signal is None or proc.state != "alive":
-        return False
-    signal_rank_process(proc, proc.release_signal, client)
-    return True

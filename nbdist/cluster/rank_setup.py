@@ -33,11 +33,11 @@ from nbdist.worker import bootstrap
 from nbdist.worker.setup_message import RankReady, RankSetup
 
 
-def rank_count(requested_n: int | None, plan: LauncherPlan) -> int:
+def rank_count(requested_n: int | None, plan: LauncherPlan | None) -> int:
     """-n if given, else the engines an ssh host list names, else one rank per GPU here."""
     if requested_n:
         return requested_n
-    ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines")
+    ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines") if plan else None
     if ssh_hosts:
         return int(sum(ssh_hosts.values()))
     return _default_rank_count()
