@@ -222,11 +222,17 @@ class NbdistConfig:
     the same fields by their flat names, ``NbdistConfig(stop_timeout=3.0, cell_timeout=60)``."""
 
     start: StartConfig = field(default_factory=StartConfig)
+    """How ranks start, restart and stop."""
     faults: FaultConfig = field(default_factory=FaultConfig)
+    """Deadlines, and what nbdist waits for after an error, a deadline or the stop button."""
     telemetry: TelemetryConfig = field(default_factory=TelemetryConfig)
+    """What ranks report while they run."""
     output: OutputConfig = field(default_factory=OutputConfig)
+    """How much of each rank's output a cell shows."""
     batch: BatchConfig = field(default_factory=BatchConfig)
+    """Engines a batch system (Slurm) runs."""
     internal: InternalConfig = field(default_factory=InternalConfig)
+    """Not public: poll intervals and waits only tests shorten."""
 
     def __init__(self, start: StartConfig | None = None, faults: FaultConfig | None = None,
                  telemetry: TelemetryConfig | None = None, output: OutputConfig | None = None,

@@ -28,6 +28,7 @@ from nbdist.worker.net import free_port
 
 __all__ = ["ClusterCore", "Progress", "RankProcess", "free_port"]
 
+
 class ClusterCore:
     """A local (or launcher-provided) set of ranks forming one torch.distributed process group.
 
@@ -117,7 +118,7 @@ class ClusterCore:
         return self._processes.controller
 
     def _launchers(self) -> list[Any]:
-        return self.launch_mode.launchers()
+        return self.launch_mode.engines.launchers()
 
     def cell_channel_address(self) -> str | None:
         """Where local ranks send what their direct cells produce (the channel is made on first
@@ -165,7 +166,7 @@ class ClusterCore:
     def attach_to(self, target: dict[str, Any]) -> None:
         """Use the engines of the running ipyparallel cluster `target` names (ipyparallel.Client's
         arguments) instead of starting any (`Cluster.attach`)."""
-        self.launch_mode = AttachedMode(self._processes, target)
+        self.launch_mode = AttachedMode(self._processes, self._liveness.record_exit, target)
 
     def start(self, progress: Progress | None = None) -> ClusterCore:
         """Start controller and engines, give them ranks and a process group; return when a real
@@ -223,7 +224,7 @@ class ClusterCore:
 
     def engine_log_tail(self, rank: int, lines: int) -> str:
         """The last lines an engine wrote to its own log (crash messages land there)."""
-        return self.launch_mode.log_tail(self.ranks[rank].pid, lines)
+        return self.launch_mode.engines.log_tail(self.ranks[rank].pid, lines)
 
     def release_rank(self, rank: int) -> bool:
         """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);

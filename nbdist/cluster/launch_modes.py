@@ -22,7 +22,6 @@ from nbdist.cluster.launchers import (
 )
 from nbdist.cluster.processes import OwnedProcesses, Pid
 from nbdist.cluster.ranks import RankProcess
-from nbdist.cluster.slurm import SlurmJob
 from nbdist.config import NbdistConfig
 from nbdist.errors import NbdistError
 
@@ -36,10 +35,15 @@ class LaunchMode:
     spans_hosts = False
     """Engines may run on other machines: the controller and rendezvous listen off loopback."""
 
-    def __init__(self, processes: OwnedProcesses) -> None:
+    plan: LauncherPlan | None = None
+    """How ipyparallel starts the engines, for the modes that start them."""
+
+    def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
         self.client: Any = None
         """The ipyparallel client of the engines (None when the cluster is not running)."""
+        self.engines = Engines(processes, on_exit)
+        """ipyparallel's controller and engines, their logs, exits and batch job (if started)."""
 
     @property
     def config(self) -> NbdistConfig:
@@ -51,7 +55,7 @@ class LaunchMode:
 
     def rank_count(self, requested_n: int | None) -> int:
         """How many ranks a start makes when -n was not given."""
-        return rank_setup.rank_count(requested_n, None)
+        return rank_setup.rank_count(requested_n, self.plan)
 
     def can_restart_in_place(self, controller_lost: bool) -> bool:
         """Whether restart keeps the controller and only replaces the engines."""
@@ -107,22 +111,6 @@ class LaunchMode:
         """The orphan watchdog's list: what to stop if the notebook's kernel dies."""
         self.processes.write_pidfile(self.owned_pids(ranks))
 
-    def log_tail(self, pid: int, lines: int) -> str:
-        """The last lines the engine with this PID wrote to its own log, if nbdist has it."""
-        return ""
-
-    def job_ended(self, fresh: bool = False) -> str | None:
-        """How the engines' batch job ended, if they run in one and it has."""
-        return None
-
-    @property
-    def batch_job(self) -> SlurmJob | None:
-        return None
-
-    def launchers(self) -> list[Any]:
-        """ipyparallel's launchers of the engines this mode started."""
-        return []
-
 
 class _OwnedEngines(LaunchMode):
     """Engines nbdist starts through ipyparallel (controller, engines, their logs and exits)."""
@@ -130,16 +118,14 @@ class _OwnedEngines(LaunchMode):
     early_engines = False
     """Start the engines together with the controller (they wait for its connection file)."""
 
+    plan: LauncherPlan
+
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler, launcher: str,
                  options: dict[str, Any], interface: str | None) -> None:
-        super().__init__(processes)
+        super().__init__(processes, on_exit)
         self.name, self.options, self.interface = launcher, options, interface
-        self.plan: LauncherPlan = build_launcher_plan(launcher, options, interface=interface)
+        self.plan = build_launcher_plan(launcher, options, interface=interface)
         self.spans_hosts = self.plan.spans_hosts
-        self.engines = Engines(processes, on_exit)
-
-    def rank_count(self, requested_n: int | None) -> int:
-        return rank_setup.rank_count(requested_n, self.plan)
 
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
         n = self.rank_count(requested_n)
@@ -187,19 +173,6 @@ class _OwnedEngines(LaunchMode):
                   if not self.pid_is_here(p) and p.state == "alive"]
         ask_remote_engines_to_exit(self.client, remote)
 
-    def log_tail(self, pid: int, lines: int) -> str:
-        return self.engines.log_tail(pid, lines)
-
-    def job_ended(self, fresh: bool = False) -> str | None:
-        return self.engines.job_ended(fresh)
-
-    @property
-    def batch_job(self) -> SlurmJob | None:
-        return self.engines.job
-
-    def launchers(self) -> list[Any]:
-        return self.engines.launchers()
-
 
 class LocalMode(_OwnedEngines):
     """Engines on this machine, forked from nbdist's warm fork server (or started cold): each is
@@ -239,8 +212,9 @@ class AttachedMode(LaunchMode):
     """The engines of an ipyparallel cluster someone else started (`ipcluster start`, a Slurm
     job): nbdist connects, makes ranks of them and leaves them as it found them."""
 
-    def __init__(self, processes: OwnedProcesses, target: dict[str, Any]) -> None:
-        super().__init__(processes)
+    def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler,
+                 target: dict[str, Any]) -> None:
+        super().__init__(processes, on_exit)
         self.target = target
 
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
@@ -277,6 +251,6 @@ def launch_mode(processes: OwnedProcesses, on_exit: ExitHandler, *, launcher: st
                 f"profile={profile!r} attaches to engines already running in that profile; "
                 "it does not combine with launcher= or launcher_options= (start the engines "
                 "with ipcluster, then attach)")
-        return AttachedMode(processes, {"profile": profile})
+        return AttachedMode(processes, on_exit, {"profile": profile})
     mode = LocalMode if launcher == "local" else LaunchedMode
     return mode(processes, on_exit, launcher, options, interface)

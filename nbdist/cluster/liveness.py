@@ -92,7 +92,7 @@ class Liveness:
         for rank in lost:
             newly_dead[rank] = detail = self.cluster.ranks[rank].exit_detail
             self.cluster.telemetry.rank_state(rank, "dead", detail)
-        job_end = self.cluster.launch_mode.job_ended(False)
+        job_end = self.cluster.launch_mode.engines.job_ended(False)
         for proc in self.cluster.ranks:
             if proc.state == "dead":
                 continue
@@ -100,7 +100,7 @@ class Liveness:
             detail = job_end or (self._local_exit(proc) if here else self._remote_loss(proc))
             if detail is not None and job_end is None:
                 # a batch job ended (scancel, time limit) is the cause, not the engine's exit
-                job_end = self.cluster.launch_mode.job_ended(True)
+                job_end = self.cluster.launch_mode.engines.job_ended(True)
                 detail = job_end or detail
             if detail is not None:
                 self.cluster.mark_dead(proc.spec.rank, detail)
