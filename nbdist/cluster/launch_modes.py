@@ -31,7 +31,7 @@ Progress = Callable[[str], None]
 class LaunchMode:
     """What every mode answers. The defaults fit engines nbdist may signal but did not start."""
 
-    name = "attached"
+    name = ""
     spans_hosts = False
     """Engines may run on other machines: the controller and rendezvous listen off loopback."""
 
@@ -212,6 +212,8 @@ class AttachedMode(LaunchMode):
     """The engines of an ipyparallel cluster someone else started (`ipcluster start`, a Slurm
     job): nbdist connects, makes ranks of them and leaves them as it found them."""
 
+    name = "attached"
+
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler,
                  target: dict[str, Any]) -> None:
         super().__init__(processes, on_exit)
@@ -222,7 +224,7 @@ class AttachedMode(LaunchMode):
         return ids
 
     def can_restart_in_place(self, controller_lost: bool) -> bool:
-        return True  # nbdist neither started nor can restart the controller
+        return self.client is not None  # else attach again: nbdist cannot start its controller
 
     def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
         """nbdist does not own these engines: the living ones leave their group, and it waits for
@@ -241,8 +243,8 @@ class AttachedMode(LaunchMode):
         super().stop(ranks)
 
 
-def launch_mode(processes: OwnedProcesses, on_exit: ExitHandler, *, launcher: str, options: dict[str, Any], interface: str | None,
-                profile: str | None) -> LaunchMode:
+def launch_mode(processes: OwnedProcesses, on_exit: ExitHandler, *, launcher: str,
+                options: dict[str, Any], interface: str | None, profile: str | None) -> LaunchMode:
     """The mode `Cluster(launcher=..., launcher_options=..., profile=...)` asks for (checked:
     the launcher plan is built once here, starting nothing)."""
     if profile is not None:

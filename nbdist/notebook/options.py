@@ -7,6 +7,7 @@ import argparse
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+from nbdist.cluster.arguments import check_variable_name
 from nbdist.config import DEFAULT, NbdistConfig, check_seconds, check_whole, memory_limit_bytes
 from nbdist.errors import NbdistError
 
@@ -76,8 +77,7 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
     for item in items:
         name, _, expr = item.partition("=")
         name = name.strip()
-        if not name.isidentifier():  # checked first: nothing is evaluated for a bad name
-            raise NbdistError(f"%dist_push: {name!r} is not a valid name")
+        check_variable_name(name, "%dist_push")  # first: nothing is evaluated for a bad name
         if "=" in item:
             try:
                 values[name] = evaluate(expr)
