@@ -39,11 +39,6 @@ class StartConfig:
     """Local engines are forked from one warm process that imported torch once (fast start and
     restart); False starts each engine as a fresh interpreter, as ipyparallel does."""
 
-    direct_cells: bool = True
-    """Cells go to local ranks over nbdist's own socket to each engine, not through ipyparallel's
-    controller (same output, errors and stop button; a no-op cell in a fraction of the time);
-    False sends every cell through ipyparallel, as ranks on other machines always are."""
-
     memory_limit: int | str | None = None
     """Per-rank memory budget (bytes, or "512MiB", "1GiB", "2GB"; kept as bytes): what each rank
     may allocate after start-up (RLIMIT_DATA on CPU, a CUDA memory fraction on GPU). None: no
@@ -194,9 +189,6 @@ class InternalConfig:
     orphan_kill_grace: float = 2.0
     """Once the kernel is gone, seconds the watchdog gives orphaned processes after SIGTERM."""
 
-    breakpoint_poll_interval: float = 0.02
-    """While a rank waits at a ``breakpoint()`` prompt, seconds between looks for the answer."""
-
     telemetry_start_delay: float = 0.05
     """A cell's start payload leaves only if the cell still runs this long after it began."""
 
@@ -240,6 +232,8 @@ class NbdistConfig:
                  **fields: Any) -> None:
         given = dict(start=start, faults=faults, telemetry=telemetry, output=output,
                      batch=batch, internal=internal)
+        if fields.pop("direct_cells", None) is not None:
+            _direct_cells_deprecated(stacklevel=3)
         unknown = sorted(set(fields) - set(_SECTION_OF))
         if unknown:
             raise TypeError(f"NbdistConfig has no field(s) {', '.join(unknown)}")
@@ -259,6 +253,9 @@ class NbdistConfig:
 
     def __setattr__(self, name: str, value: Any) -> None:
         """A section, or a field by its flat name (the section is replaced, checked again)."""
+        if name == "direct_cells":
+            _direct_cells_deprecated(stacklevel=3)
+            return
         section = _SECTION_OF.get(name)
         if section is not None:
             _warn_if_internal({name: value}, stacklevel=2)
@@ -272,6 +269,11 @@ class NbdistConfig:
     def replace(self, **changes: Any) -> NbdistConfig:
         """A copy with these sections or fields (flat names) changed."""
         return dataclasses.replace(self, **changes)
+
+
+def _direct_cells_deprecated(stacklevel: int) -> None:
+    warnings.warn("NbdistConfig.direct_cells is deprecated and ignored: every cell goes to every "
+                  "rank over nbdist's cell channel", DeprecationWarning, stacklevel=stacklevel)
 
 
 def _checked_section(name: str, section: Any, changes: dict[str, Any]) -> Any:

@@ -108,20 +108,20 @@ def test_stop_button_at_the_prompt_interrupts_the_ranks(cluster2, monkeypatch):
     _collective_works(cluster2)
 
 
-def test_without_the_workdir_or_outside_the_main_thread_it_says_why(cluster2, monkeypatch):
+def test_without_the_channel_or_outside_the_main_thread_it_says_why(cluster2, monkeypatch):
     prompts = _scripted_input(monkeypatch, [])
     result = cluster2.run(
-        "import threading\nfrom nbdist.worker import breakpoints\n"
+        "import threading\nfrom nbdist.worker import cell_channel\n"
         "worker = threading.Thread(target=breakpoint)\nworker.start(); worker.join()\n"
-        "saved, breakpoints._SETTINGS.directory = breakpoints._SETTINGS.directory, None\n"
-        "try:\n    breakpoint()\nfinally:\n    breakpoints._SETTINGS.directory = saved\n",
+        "saved, cell_channel._SERVER = cell_channel._SERVER, None\n"
+        "try:\n    breakpoint()\nfinally:\n    cell_channel._SERVER = saved\n",
         ranks=[1], timeout=30)
     result.raise_for_errors()
     assert prompts == []
     lines = result.stderr[1].splitlines()
     assert lines[0].startswith("nbdist: rank 1: breakpoint() skipped: only a cell's main thread")
-    assert lines[1].startswith("nbdist: rank 1: breakpoint() skipped: it needs a rank on the "
-                               "notebook's machine")
+    assert lines[1].startswith("nbdist: rank 1: breakpoint() skipped: the rank has no cell "
+                               "channel")
 
 
 def test_breakpoint_in_a_real_kernel(real_kernel):

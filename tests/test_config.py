@@ -12,6 +12,7 @@ import pytest
 
 from nbdist.config import DEFAULT, FaultConfig, NbdistConfig, StartConfig
 from nbdist.errors import NbdistError
+from nbdist.worker.cell_channel import ChannelEndpoint, ChannelSetup
 from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
 
 
@@ -83,9 +84,11 @@ def test_the_setup_message_crosses_pickling_as_it_is() -> None:
     spec = RankSpec(1, 1, 2, 2, "host", 7, "gloo", ())
     setup = RankSetup(spec=spec, master_addr="127.0.0.1", port=1234, generation=0,
                       store_path=None, threads=1, cwd="/", interface=None, private_dir=None,
-                      cell_channel=None, config=NbdistConfig(process_group_timeout=7.0))
+                      channel=ChannelSetup("tcp://127.0.0.1:41000", "127.0.0.1"),
+                      config=NbdistConfig(process_group_timeout=7.0))
     again = pickle.loads(pickle.dumps(setup))
     assert again == setup and again.process_group_timeout == 7.0
     nccl = dataclasses.replace(setup, spec=dataclasses.replace(spec, backend="nccl"))
     assert nccl.process_group_timeout == DEFAULT.faults.nccl_process_group_timeout
-    assert pickle.loads(pickle.dumps(RankReady("cpu", 1, None))).notes == ()
+    ready = RankReady("cpu", 1, ChannelEndpoint("tcp://127.0.0.1:41001"))
+    assert pickle.loads(pickle.dumps(ready)) == ready

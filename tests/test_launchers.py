@@ -174,6 +174,29 @@ def test_curve_heartbeat_and_controller_passthrough():
     local_curve = build_launcher_plan("local", {"curve": True})
     assert "--IPController.enable_curve=True" in local_curve.cluster_kwargs["controller_args"]
     assert local_curve.cluster_kwargs["controller_ip"] == "127.0.0.1"
+    assert plan.curve and local_curve.curve and not build_launcher_plan("local").curve
+
+
+def test_where_each_end_of_the_cell_channel_listens():
+    """Loopback on one host; across hosts a rank's address on --interface, else the one it
+    reaches the notebook by, and the notebook's the controller's (when it runs here)."""
+    from types import SimpleNamespace
+
+    from nbdist.cluster.rendezvous import Rendezvous
+    from nbdist.errors import ClusterStartError
+
+    probe = {"host": "b", "addresses": {"eth9": ["10.9.0.2"]}, "route_address": "10.0.0.5"}
+    local = Rendezvous(None, None)
+    assert local.channel_host(probe) == "127.0.0.1" and local.notebook_host(None, {}) == "127.0.0.1"
+    pinned, routed = Rendezvous(None, "eth9"), Rendezvous(None, None)
+    pinned.spans_hosts = routed.spans_hosts = True
+    assert pinned.channel_host(probe) == "10.9.0.2" and routed.channel_host(probe) == "10.0.0.5"
+    with pytest.raises(ClusterStartError, match="--interface"):
+        routed.channel_host({"host": "c"})
+    here = next((a for addresses in net.ipv4_addresses().values() for a in addresses
+                 if not net.is_loopback(a)), "127.0.0.1")
+    client = SimpleNamespace(_config={"interface": f"tcp://{here}"})
+    assert routed.notebook_host(client, {}) == here
 
 
 def test_every_launcher_builds_an_ipyparallel_cluster():

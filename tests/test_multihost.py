@@ -1,7 +1,7 @@
-"""Several hosts on one machine: network namespaces joined by veth pairs to a bridge, each with
-its own address, its own hostname (a UTS namespace) and its own sshd. The notebook side and the
-controller sit on the bridge (the "head node"); ipyparallel's SSH launcher starts the engines on
-the hosts over real ssh; the ranks form one gloo process group across them.
+"""Several hosts on one machine (tests/netns_hosts.py: network namespaces, each with its own
+address, hostname and sshd): ipyparallel's SSH launcher starts the engines on the hosts over real
+ssh; the ranks form one gloo process group across them and take their cells over the encrypted
+cell channel, and tests/rank_parity.py checks they behave as local ranks do.
 
 Needs root, iproute2, OpenSSH server and client (`.ci/extra-suites` installs them); skipped with
 the reason otherwise. Run with ``pytest -m multihost``.
@@ -10,14 +10,9 @@ the reason otherwise. Run with ``pytest -m multihost``.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
-import subprocess
-import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 
 import psutil
 import pytest
@@ -25,160 +20,34 @@ import torch
 
 from nbdist import Cluster
 from nbdist.cluster.launchers import MultiHostWarning
+from tests import rank_parity
+from tests.netns_hosts import (
+    HOSTS,
+    SOURCE,
+    Network,
+    hosts_network,
+    ssh_launcher_options,
+    why_not,
+)
 
 pytestmark = pytest.mark.multihost
 
-HOSTS = ("hosta", "hostb")
 ALL_REDUCE = "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()"
-
-
-@dataclass
-class Host:
-    name: str
-    netns: str
-    address: str
-    sshd: subprocess.Popen[bytes] | None = None
-
-
-@dataclass
-class Network:
-    bridge: str
-    head_address: str
-    hosts: list[Host]
-    ssh_args: list[str]
-    workdir: str
-    created_netns: list[str] = field(default_factory=list)
-
-    def pids_in(self, host: Host) -> list[int]:
-        out = subprocess.run(["ip", "netns", "pids", host.netns], capture_output=True, text=True)
-        return [int(p) for p in out.stdout.split()]
-
-
-def _run(*cmd: str) -> None:
-    subprocess.run(cmd, check=True, capture_output=True, text=True)
-
-
-def _why_not() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces)"
-    for tool in ("ip", "unshare", "ssh", "ssh-keygen", "scp"):
-        if shutil.which(tool) is None:
-            return f"{tool} not installed"
-    if not os.path.exists("/usr/sbin/sshd"):
-        return "OpenSSH server (/usr/sbin/sshd) not installed"
-    probe = f"nbdprobe{os.getpid() % 100000}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create network namespaces: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
-    return None
-
-
-def _wait_for_port(address: str, port: int, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with socket.create_connection((address, port), timeout=0.5):
-                return
-        except OSError as exc:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} did not listen on {address}:{port}: {exc}") from None
-            time.sleep(0.1)
-
-
-def _sshd_config(workdir: str, host: Host) -> str:
-    path = os.path.join(workdir, f"sshd-{host.name}.conf")
-    with open(path, "w") as f:
-        f.write(
-            f"ListenAddress {host.address}\nPort 22\nHostKey {workdir}/host_key\n"
-            f"AuthorizedKeysFile {workdir}/authorized_keys\nPermitRootLogin prohibit-password\n"
-            "PasswordAuthentication no\nKbdInteractiveAuthentication no\nUsePAM no\n"
-            f"StrictModes no\nPidFile {workdir}/sshd-{host.name}.pid\nMaxStartups 50\n"
-            "MaxSessions 50\nSubsystem sftp internal-sftp\n"
-        )
-    return path
 
 
 @pytest.fixture(scope="module")
 def network() -> Iterator[Network]:
-    reason = _why_not()
+    reason = why_not()
     if reason:
         pytest.skip(reason)
-    tag = f"{os.getpid() % 10000:04d}"
-    subnet = f"10.231.{os.getpid() % 200 + 20}"
-    workdir = tempfile.mkdtemp(prefix="nbdist-netns-")
-    net = Network(bridge=f"nbd{tag}br", head_address=f"{subnet}.1",
-                  hosts=[Host(name, f"nbd{tag}-{name}", f"{subnet}.{11 + i}")
-                         for i, name in enumerate(HOSTS)],
-                  ssh_args=[], workdir=workdir)
-    try:
-        _run("ip", "link", "add", net.bridge, "type", "bridge")
-        _run("ip", "addr", "add", f"{net.head_address}/24", "dev", net.bridge)
-        _run("ip", "link", "set", net.bridge, "up")
-        for i, host in enumerate(net.hosts):
-            _run("ip", "netns", "add", host.netns)
-            net.created_netns.append(host.netns)
-            outside, inside = f"nbd{tag}v{i}", f"nbd{tag}p{i}"
-            _run("ip", "link", "add", outside, "type", "veth", "peer", "name", inside)
-            _run("ip", "link", "set", outside, "master", net.bridge, "up")
-            _run("ip", "link", "set", inside, "netns", host.netns)
-            _run("ip", "-n", host.netns, "link", "set", inside, "name", "eth0")
-            _run("ip", "-n", host.netns, "addr", "add", f"{host.address}/24", "dev", "eth0")
-            _run("ip", "-n", host.netns, "link", "set", "eth0", "up")
-            _run("ip", "-n", host.netns, "link", "set", "lo", "up")
-        key = os.path.join(workdir, "id_ed25519")
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key)
-        _run("ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", os.path.join(workdir, "host_key"))
-        shutil.copy(key + ".pub", os.path.join(workdir, "authorized_keys"))
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege-separation dir
-        net.ssh_args = ["-i", key, "-o", "StrictHostKeyChecking=no", "-o",
-                        "UserKnownHostsFile=/dev/null", "-o", "BatchMode=yes", "-o",
-                        "LogLevel=ERROR", "-o", "ConnectTimeout=10"]
-        for host in net.hosts:
-            # ip netns exec, unshare and sh all exec: the Popen PID ends up being sshd itself,
-            # and every session (so every engine) inherits the host's own hostname
-            host.sshd = subprocess.Popen(
-                ["ip", "netns", "exec", host.netns, "unshare", "--uts", "sh", "-c",
-                 f'hostname {host.name} && exec /usr/sbin/sshd -D -e -f "$0"',
-                 _sshd_config(workdir, host)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                stderr=open(os.path.join(workdir, f"sshd-{host.name}.log"), "wb"),
-            )
-        for host in net.hosts:
-            _wait_for_port(host.address, 22, 20, f"sshd of {host.name}")
+    with hosts_network() as net:
         yield net
-    finally:
-        for host in net.hosts:
-            if host.netns in net.created_netns:
-                # everything in a namespace this fixture made was started by this module
-                for pid in net.pids_in(host):
-                    if host.sshd is None or pid != host.sshd.pid:
-                        try:
-                            os.kill(pid, signal.SIGKILL)
-                        except ProcessLookupError:
-                            pass
-            if host.sshd is not None:
-                host.sshd.terminate()
-                try:
-                    host.sshd.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    host.sshd.kill()
-                    host.sshd.wait(timeout=10)
-        for ns in net.created_netns:
-            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
-        subprocess.run(["ip", "link", "del", net.bridge], capture_output=True)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @pytest.fixture(scope="module")
 def cluster(network: Network, fast_config, assert_all_gone) -> Iterator[Cluster]:
-    hosts = {h.address: 2 for h in network.hosts}
-    cluster = Cluster(
-        n=4, config=fast_config.replace(engine_start_timeout=120.0), launcher="ssh",
-        launcher_options={"hosts": hosts, "ssh_args": network.ssh_args,
-                          "scp_args": network.ssh_args, "heartbeat_period_ms": 500,
-                          "heartbeat_misses": 6},
-    )
+    cluster = Cluster(n=4, config=fast_config.replace(engine_start_timeout=120.0), launcher="ssh",
+                      launcher_options=ssh_launcher_options(network))
     started = time.perf_counter()
     with pytest.warns(MultiHostWarning, match="unauthenticated"):
         cluster.start()
@@ -258,6 +127,41 @@ def test_hung_remote_rank_is_interrupted_through_the_controller(cluster: Cluster
     assert all(p.state == "alive" for p in cluster.ranks)  # SIGINT was enough: nobody killed
     cluster.run(ALL_REDUCE, timeout=60).raise_for_errors()
     assert cluster.pull("t") == {r: torch.tensor([10.0]) for r in range(4)}
+
+
+def test_the_cell_channel_spans_the_hosts_encrypted(cluster: Cluster, network: Network):
+    """Cells reach the remote ranks over the cell channel: the notebook listens on the head
+    node's private address, each rank on its host's, both ends CurveZMQ-encrypted; the engines
+    run the nbdist under test."""
+    channel = cluster.cell_channel
+    assert channel is not None and channel.address.startswith(f"tcp://{network.head_address}:")
+    assert channel.public_key is not None
+    for proc in cluster.ranks:
+        host = next(h for h in network.hosts if h.name == proc.spec.host)
+        assert proc.endpoint is not None and proc.endpoint.public_key is not None
+        assert proc.endpoint.address.startswith(f"tcp://{host.address}:")
+    files = cluster.run("import nbdist\nnbdist.__file__", timeout=60).raise_for_errors()
+    assert {files.value_text(r).strip("'") for r in files.ranks} == {
+        os.path.join(SOURCE, "nbdist", "__init__.py")}
+
+
+def test_parity_top_level_await(cluster: Cluster):
+    rank_parity.check_top_level_await(cluster)
+
+
+@pytest.mark.parametrize("code", ["import time\nfor _ in range(600): time.sleep(0.05)",
+                                  "import asyncio\nawait asyncio.sleep(600)"],
+                         ids=["sync", "await"])
+def test_parity_stop_button(cluster: Cluster, code: str):
+    rank_parity.check_stop_button(cluster, code)
+
+
+def test_parity_breakpoint_on_a_remote_rank(cluster: Cluster, monkeypatch: pytest.MonkeyPatch):
+    rank_parity.check_breakpoint(cluster, monkeypatch, rank=3)
+
+
+def test_parity_widget_on_a_remote_rank(cluster: Cluster, monkeypatch: pytest.MonkeyPatch):
+    rank_parity.check_widget(cluster, monkeypatch, rank=2)
 
 
 def test_one_host_killed_is_reported_and_restart_brings_it_back(cluster: Cluster, network: Network):

@@ -1,24 +1,25 @@
 """Notebook side of ``breakpoint()`` in a ``%%distributed`` cell: show what the rank's pdb printed,
-ask for a command and hand the answer to the rank as a file in the cluster's private work
-directory (the rank side, which waits for it, is `nbdist.worker.breakpoints`)."""
+ask for a command and send the answer back to the rank over the cell channel (the rank side,
+which waits for it, is `nbdist.worker.breakpoints`)."""
 
 from __future__ import annotations
 
 import builtins
-import os
-import re
-import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from nbdist.cells.output import OutputSink
-from nbdist.worker.breakpoints import answer_path
+from nbdist.cluster.cell_channel import NotebookChannel
+from nbdist.cluster.ranks import RankProcess
 
 
 class BreakpointPrompts:
     """Answers the "debug" payloads of one cell run, one prompt at a time."""
 
-    def __init__(self, workdir: str, sink: OutputSink) -> None:
-        self.workdir = workdir
+    def __init__(self, channel: NotebookChannel, ranks: Sequence[RankProcess],
+                 sink: OutputSink) -> None:
+        self.channel = channel
+        self.ranks = ranks
         self.sink = sink
         self.headless = False
         """No one can answer (a kernel without stdin): every later prompt gets `c`."""
@@ -31,7 +32,10 @@ class BreakpointPrompts:
             self.sink.on_stream(rank, "stdout", text if text.endswith("\n") else text + "\n")
         if debug.get("prompt") is None or self.interrupted:
             return
-        self._answer(rank, str(debug["seq"]), self._ask(rank, str(debug["prompt"])))
+        line = self._ask(rank, str(debug["prompt"]))
+        endpoint = self.ranks[rank].endpoint
+        if endpoint is not None:
+            self.channel.send_answer(rank, endpoint, str(debug["seq"]), line)
 
     def _ask(self, rank: int, prompt: str) -> str:
         if self.headless:
@@ -47,13 +51,3 @@ class BreakpointPrompts:
             self.sink.on_status(f"nbdist: rank {rank} stopped at breakpoint() but no one can "
                                 f"answer ({type(exc).__name__}): continuing")
             return "c"
-
-    def _answer(self, rank: int, seq: str, line: str) -> None:
-        if not re.fullmatch(r"\d+-\d+", seq):  # the rank names its file: never a path
-            self.sink.on_status(f"nbdist: rank {rank}: malformed breakpoint prompt id {seq!r}")
-            return
-        # written whole, then renamed: the rank, polling, never reads half an answer
-        fd, tmp = tempfile.mkstemp(dir=self.workdir, prefix=".answer-")
-        with os.fdopen(fd, "w", encoding="utf-8") as out:
-            out.write(line)
-        os.replace(tmp, answer_path(self.workdir, rank, seq))

@@ -13,7 +13,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def rank_error_from_remote(rank: int, error: Any) -> RankError:
-    """From an ipyparallel error (or its ``metadata["error"]`` dict-like): ``interrupted`` for a
+    """From a rank's error (ename, evalue, traceback; a RemoteError too): ``interrupted`` for a
     KeyboardInterrupt (with the cell line it stopped at), else ``root``."""
     ename = getattr(error, "ename", type(error).__name__)
     evalue = getattr(error, "evalue", str(error))

@@ -1,33 +1,29 @@
 """Run one cell on a set of ranks: dispatch, live output, results, errors — no IPython imports.
 
-A cell reaches local ranks over the direct channel (``nbdist.cells.direct``), read on the
-caller's thread; through ipyparallel otherwise (ranks on other machines), whose
-output and telemetry arrive on its IO thread, where callbacks only enqueue them. Either way the
-caller's thread (the notebook's main thread) renders them, watches deadlines and dead ranks, and
-asks the fault policy (``nbdist.cells.policy``) what to do when something goes wrong.
+A cell reaches every rank, local or remote, over the cell channel (``nbdist.cluster.cell_channel``);
+the notebook's main thread reads what comes back, renders it, watches deadlines and dead ranks,
+and asks the fault policy (``nbdist.cells.policy``) what to do when something goes wrong.
 """
 
 from __future__ import annotations
 
-import queue
 import time
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells.breakpoints import BreakpointPrompts
-from nbdist.cells.direct import new_metadata, read_message
 from nbdist.cells.output import NullSink, OutputSink
 from nbdist.cells.policy import FaultPolicy
 from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
+from nbdist.cells.rank_output import RankOutput, read_message
 from nbdist.cells.result import CellResult, RankError
 from nbdist.cells.syntax import check_syntax
+from nbdist.cells.widgets import relay_widgets
 from nbdist.cluster.cell_channel import SEND_TIMEOUT_MS
 from nbdist.errors import NbdistError
-from nbdist.worker.agent import TELEMETRY_KEY
 
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
-    from nbdist.cluster.cell_channel import NotebookChannel
 
 __all__ = ["CellResult", "OutputSink", "NullSink", "run_cell"]
 
@@ -64,120 +60,57 @@ class CellRun:
         self.timeout = timeout
         self.result = CellResult(code=code, ranks=list(targets))
         self.pending: set[int] = set(targets)
-        self.events: queue.SimpleQueue[tuple[int, str, Any]] = queue.SimpleQueue()
-        self.asyncs: dict[int, Any] = {}
-        self.metadata: dict[int, dict[str, Any]] = {}
+        self.outputs: dict[int, RankOutput] = {}
         self.streamed: dict[tuple[int, str], int] = {}
         self.truncated: set[tuple[int, str]] = set()
         self.displays_shown: dict[int, int] = {}
-        self.callbacks: list[tuple[Any, Any]] = []
         self.finished_at: dict[int, float] = {}
         self.started = time.perf_counter()
         # first liveness check one interval in: a short cell then costs no /proc reads (~2 ms)
         self._next_dead_check = self.started + self.config.internal.dead_check_interval
         self.policy = FaultPolicy(self)
-        self.breakpoints = BreakpointPrompts(cluster.workdir, sink)
-        self.direct: NotebookChannel | None = None  # the cell went over the direct channel
-        self.token = ""
+        self.channel = cluster.channel()
+        self.breakpoints = BreakpointPrompts(self.channel, cluster.ranks, sink)
+        self.token = self.channel.new_token()
 
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
         self.cluster.telemetry.cell_has_metrics = False
         if self.cluster.controller_lost:
-            # the direct channel could still run it, but nothing else works: say so before sending
+            # the channel could still run it, but nothing else works: say so before sending
             self._controller_lost()
             self._finalize()
             return self.result
+        relay_widgets(self.channel, self.cluster.ranks)
+        self._send()
         try:
-            ports = self._direct_ports()
-            if ports is not None:
-                self._send_direct(ports)
-            else:
-                self._send_through_ipyparallel()
-            try:
-                self._wait()
-            except KeyboardInterrupt:
-                self.result.interrupted = True
-                self.policy.on_interrupt()
+            self.channel.hold()  # this thread reads the answers while the cell runs
+            self._wait()
+        except KeyboardInterrupt:
+            self.result.interrupted = True
+            self.policy.on_interrupt()
         finally:
-            self._detach()
+            self.channel.release()
         self._finalize()
         return self.result
 
-    def _direct_ports(self) -> dict[int, int] | None:
-        """Each target's direct cell channel (nbdist.cells.direct), or None: through ipyparallel."""
-        if not (self.config.start.direct_cells and self.cluster.cell_channel):
-            return None
-        ports = {rank: self.cluster.ranks[rank].cell_port for rank in self.targets}
-        return None if None in ports.values() else ports  # type: ignore[return-value]
-
-    def _send_direct(self, ports: dict[int, int]) -> None:
+    def _send(self) -> None:
         import zmq
 
-        channel = self.direct = self.cluster.cell_channel
-        assert channel is not None
-        self.token = channel.new_token()
-        for rank, port in ports.items():
-            self.metadata[rank] = new_metadata()
+        for rank in self.targets:
+            self.outputs[rank] = RankOutput()
+            endpoint = self.cluster.ranks[rank].endpoint
             try:
-                channel.send_cell(rank, port, self.token, self.result.code)
-            except zmq.Again:  # its queue is full: the engine has not read a cell in a long while
+                if endpoint is None:
+                    raise NbdistError("the rank has no cell channel (its setup did not finish)")
+                self.channel.send_cell(rank, endpoint, self.token, self.result.code)
+            except (zmq.Again, NbdistError) as exc:  # a full queue: the engine reads no cell
                 self.pending.discard(rank)
                 self.result.errors[rank] = RankError(
                     rank=rank, kind="lost", ename="NbdistError",
-                    evalue=f"the rank took no new cell within {SEND_TIMEOUT_MS / 1000:g} s "
-                           "(its engine is not reading any)")
-
-    def _send_through_ipyparallel(self) -> None:
-        # views first: building one is ~0.4 ms of Python, and doing it between sends makes
-        # the main thread and ipyparallel's IO thread trade the GIL once per rank
-        views = {rank: self.cluster.view(rank) for rank in self.targets}
-        for rank in self.targets:
-            ar = views[rank].execute(self.result.code, silent=False, block=False)
-            self.asyncs[rank] = ar
-            # the AsyncResult's own metadata dict: client.metadata[msg_id] may already have
-            # been dropped by ipyparallel, and the lookup then makes a new, empty one (the
-            # rank's value and output lost: 3 cells in 300 here)
-            self.metadata[rank] = ar.metadata
-            self._attach(rank, ar)
-
-    def _receive_direct(self, wait: float) -> None:
-        assert self.direct is not None
-        for message in self.direct.receive(wait):
-            md = self.metadata.get(message.rank)
-            if message.token != self.token or md is None:
-                continue  # an earlier cell's late output, given up on
-            event = read_message(message, md)
-            if event is not None:
-                self._handle(message.rank, *event)
-
-    def _attach(self, rank: int, ar: Any) -> None:
-        def on_iopub(msg: dict[str, Any]) -> None:
-            msg_type = msg["header"]["msg_type"]
-            if msg_type == "stream":
-                self.events.put((rank, "stream", msg["content"]))
-            elif msg_type == "display_data":
-                self.events.put((rank, "display", msg["content"]))
-            elif msg_type == "data_message":
-                payload = self.metadata[rank]["data"].get(TELEMETRY_KEY)
-                if payload is not None:
-                    self.events.put((rank, "telemetry", payload))
-
-        def on_done(_future: Any) -> None:
-            self.events.put((rank, "done", None))
-
-        for child in ar._children:
-            child.iopub_callbacks.append(on_iopub)
-            self.callbacks.append((child, on_iopub))
-        ar._output_future.add_done_callback(on_done)
-
-    def _detach(self) -> None:
-        for child, callback in self.callbacks:
-            try:
-                child.iopub_callbacks.remove(callback)
-            except ValueError:
-                pass
-        self.callbacks.clear()
+                    evalue=str(exc) if isinstance(exc, NbdistError) else
+                    f"the rank took no new cell within {SEND_TIMEOUT_MS / 1000:g} s "
+                    "(its engine is not reading any)")
 
     # ---------------------------------------------------------------- waiting
     def _wait(self) -> None:
@@ -199,19 +132,13 @@ class CellRun:
 
     def pump(self, wait: float) -> None:
         """Handle events for up to `wait` seconds (returns early once something arrived)."""
-        if self.direct is not None:
-            self._receive_direct(wait)
-            wait = 0.0  # and whatever ipyparallel delivered meanwhile (nothing, for a cell)
-        try:
-            item = self.events.get(timeout=wait) if wait > 0 else self.events.get_nowait()
-        except queue.Empty:
-            item = None
-        while item is not None:
-            self._handle(*item)
-            try:
-                item = self.events.get_nowait()
-            except queue.Empty:
-                item = None
+        for message in self.channel.receive(wait):
+            out = self.outputs.get(message.rank)
+            if message.token != self.token or out is None:
+                continue  # an earlier cell's late output, given up on
+            event = read_message(message, out)
+            if event is not None:
+                self._handle(message.rank, *event)
         now = time.perf_counter()
         if now >= self._next_dead_check:
             self._next_dead_check = now + self.config.internal.dead_check_interval
@@ -296,34 +223,23 @@ class CellRun:
     def _finalize(self) -> None:
         result = self.result
         for rank in self.targets:
-            md = self.metadata.get(rank)
-            if md is None:
+            out = self.outputs.get(rank)
+            if out is None:
                 continue
             for name in ("stdout", "stderr"):
-                full = md.get(name) or ""
+                full = getattr(out, name)
                 getattr(result, name)[rank] = full
-                shown = self.streamed.get((rank, name), 0)
-                if len(full) > shown:  # output that raced the callbacks' registration
-                    self._emit_stream(rank, name, full[shown:])
                 if (rank, name) in self.truncated:
                     self._emit_tail(rank, name, full)
-            outputs = md.get("outputs") or []
-            result.displays[rank] = list(outputs)
-            for content in outputs[self.displays_shown.get(rank, 0):]:
-                self.sink.on_display(rank, content)
-            if md.get("execute_result"):
-                result.results[rank] = md["execute_result"]
+            result.displays[rank] = list(out.outputs)
+            if out.execute_result:
+                result.results[rank] = out.execute_result
             if rank in result.errors:
                 continue
-            proc = self.cluster.ranks[rank]
-            if proc.state == "dead":
+            if self.cluster.ranks[rank].state == "dead":
                 result.errors[rank] = self._dead_rank_error(rank)
-                continue
-            error = md.get("error")
-            if error is None and rank in self.asyncs and self.asyncs[rank].done():
-                error = _exception_of(self.asyncs[rank])
-            if error is not None:
-                result.errors[rank] = rank_error_from_remote(rank, error)
+            elif out.error is not None:
+                result.errors[rank] = rank_error_from_remote(rank, out.error)
         self.policy.after_cell()
         result.report = self.policy.hang_report + result.report
         result.elapsed = time.perf_counter() - self.started
@@ -331,20 +247,7 @@ class CellRun:
     def _dead_rank_error(self, rank: int) -> RankError:
         # nbdist's own kill says where the rank was stuck: better than the bare exit signal
         detail = self.policy.killed.get(rank) or self.cluster.ranks[rank].exit_detail or "engine process exited"
-        md = self.metadata.get(rank, {})
-        output = (md.get("stdout") or "") + (md.get("stderr") or "")
+        out = self.outputs.get(rank) or RankOutput()
         # faulthandler dumps every thread after its "Fatal Python error" line: read past them
-        return dead_rank_error(rank, detail, output, self.cluster.engine_log_tail(rank, 400))
-
-
-def _exception_of(ar: Any) -> Any:
-    try:
-        exc = ar.exception(timeout=0)
-    except Exception:
-        return None
-    if exc is None:
-        return None
-    elist = getattr(exc, "elist", None)
-    if elist:
-        return elist[0]
-    return exc
+        return dead_rank_error(rank, detail, out.stdout + out.stderr,
+                               self.cluster.engine_log_tail(rank, 400))

@@ -3,9 +3,10 @@ policy, the ladder and the hang report need the runner's state, not the runner m
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from nbdist.cells.output import OutputSink
+from nbdist.cells.rank_output import RankOutput
 from nbdist.cells.result import CellResult
 from nbdist.config import NbdistConfig
 
@@ -24,8 +25,7 @@ class RunningCell(Protocol):
     result: CellResult
     pending: set[int]
     """Ranks still running the cell; a rank leaves it when it finishes or is found dead."""
-    asyncs: dict[int, Any]
-    metadata: dict[int, dict[str, Any]]
+    outputs: dict[int, RankOutput]
 
     def pump(self, wait: float) -> None:
         """Handle output, results and telemetry for up to `wait` seconds."""
@@ -38,13 +38,5 @@ class RunningCell(Protocol):
 
 def finished_with_error(run: RunningCell, rank: int) -> bool:
     """The rank's cell already ended with an exception (it is idle now)."""
-    md = run.metadata.get(rank) or {}
-    if md.get("error") is not None:
-        return True
-    ar = run.asyncs.get(rank)
-    if ar is None or not ar.done():
-        return False
-    try:
-        return ar.exception(timeout=0) is not None
-    except Exception:
-        return False
+    out = run.outputs.get(rank)
+    return out is not None and out.error is not None

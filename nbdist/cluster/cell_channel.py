@@ -1,75 +1,263 @@
-"""The notebook's end of the direct cell channel (the engine's end: nbdist.worker.cell_channel).
+"""The notebook's end of the cell channel (a rank's end: nbdist.worker.cell_channel).
 
-One PULL socket, on loopback, receives what every local rank's cells produce; one DEALER per rank
-sends it cells. Used from the notebook's main thread only (the cell runner), so no lock. Every
-message is signed and checked with the cluster's key (ipyparallel's own), and each carries the
-cell's token and the rank as identities: output of an earlier cell (one that was given up on)
-is told apart and dropped.
+One PULL socket receives what every rank sends; one DEALER per rank sends it cells, pdb answers
+and widget messages. A reader thread takes messages off the PULL as they come: a rank's widget
+(comm) messages go to `on_comm` at once, between cells too; the rest wait in `inbox` for the
+cell runner on the notebook's main thread. Every message is signed and checked with the
+cluster's key, and carries the cell's token and the rank as identities: output of an earlier
+cell (one that was given up on) is told apart and dropped. With `curve` (every cluster that
+spans hosts) the sockets are also CurveZMQ-encrypted: this end's public key reaches the ranks in
+their signed setup call, and each rank's comes back in its reply.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from nbdist.worker.cell_channel import CELL_REPLY, CELL_REQUEST
+from nbdist.cluster.remote import Gathered
+from nbdist.worker.cell_channel import (
+    CALL_REQUEST,
+    CELL_REPLY,
+    CELL_REQUEST,
+    COMM_TYPES,
+    PDB_ANSWER,
+    ChannelEndpoint,
+    ChannelSetup,
+)
 
-__all__ = ["CELL_REPLY", "ChannelMessage", "NotebookChannel"]
+__all__ = ["CELL_REPLY", "COMM_TYPES", "ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
 
 SEND_TIMEOUT_MS = 1000
+CLOSE_TIMEOUT = 5.0
+"""Seconds `close` waits for the reader thread (it stops at once unless a widget handler hangs)."""
 
 
 @dataclass(frozen=True, slots=True)
 class ChannelMessage:
-    """One message from a rank: its cell token, rank and the Jupyter message itself."""
+    """One message from a rank: its cell token ("" between cells), rank and the Jupyter message."""
 
     token: str
     rank: int
     msg: dict[str, Any]
 
 
+class CommHandler(Protocol):
+    """What the notebook does with a rank's widget messages (nbdist.cells.widgets)."""
+
+    def __call__(self, message: ChannelMessage) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class NotebookChannel:
-    def __init__(self, key: bytes, signature_scheme: str) -> None:
+    def __init__(self, key: bytes, signature_scheme: str, bind_host: str, curve: bool) -> None:
         import zmq
         from jupyter_client.session import Session
 
         self._zmq = zmq
         self.session = Session(key=key, signature_scheme=signature_scheme, check_pid=False)
         self.context = zmq.Context()
-        self.pull = self.context.socket(zmq.PULL)
-        self.pull.linger = 0
-        self.pull.rcvhwm = 0  # never drop a rank's output on the notebook side
-        port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-        self.address = f"tcp://127.0.0.1:{port}"
-        self.poller = zmq.Poller()
-        self.poller.register(self.pull, zmq.POLLIN)
-        self._dealers: dict[int, tuple[int, Any]] = {}
+        self.bind_host = bind_host
+        self.public_key, self._secret_key = zmq.curve_keypair() if curve else (None, None)
+        pull = self.context.socket(zmq.PULL)
+        pull.linger = 0
+        pull.rcvhwm = 0  # never drop a rank's output on the notebook side
+        if self._secret_key is not None:
+            pull.curve_secretkey = self._secret_key
+            pull.curve_server = True
+        port = pull.bind_to_random_port(f"tcp://{bind_host}")
+        self.address = f"tcp://{bind_host}:{port}"
+        self._pull = pull  # the reader thread's, or the main thread's while it holds it
+        self._poller = zmq.Poller()
+        self._poller.register(pull, zmq.POLLIN)
+        self._held = False
+        self._holds = 0
+        self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
+        self.on_comm: CommHandler | None = None
+        self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
+        self._send_lock = threading.Lock()  # the main thread, and a widget's twin from any thread
         self._tokens = itertools.count(1)
         self._prefix = f"{os.getpid()}-{id(self):x}"
+        wake_address = f"inproc://nbdist-channel-{self._prefix}"
+        self._wake = self.context.socket(zmq.PAIR)
+        self._wake.bind(wake_address)
+        woken = self.context.socket(zmq.PAIR)
+        woken.connect(wake_address)
+        self._reader = threading.Thread(target=self._read, args=(woken,),
+                                        name="nbdist-cell-channel", daemon=True)
+        self._reader.start()
+
+    def setup_for(self, bind_host: str) -> ChannelSetup:
+        """What a rank listening on `bind_host` is told at setup."""
+        return ChannelSetup(self.address, bind_host, self.public_key)
 
     def new_token(self) -> str:
         return f"{self._prefix}-{next(self._tokens)}"
 
-    def send_cell(self, rank: int, port: int, token: str, code: str) -> None:
+    # ------------------------------------------------------------------ sending
+    def send_cell(self, rank: int, endpoint: ChannelEndpoint, token: str, code: str) -> None:
         """Send one cell to a rank; raises zmq.Again if the rank has stopped taking them."""
-        self.session.send(self._dealer(rank, port), CELL_REQUEST, content={"token": token, "code": code})
+        self.send(rank, endpoint, CELL_REQUEST, {"token": token, "code": code})
+
+    def send_answer(self, rank: int, endpoint: ChannelEndpoint, seq: str, line: str) -> None:
+        """The answer to a rank's pdb prompt `seq`."""
+        self.send(rank, endpoint, PDB_ANSWER, {"seq": seq, "line": line})
+
+    def send(self, rank: int, endpoint: ChannelEndpoint, msg_type: str, content: dict[str, Any],
+             buffers: list[Any] | None = None) -> None:
+        with self._send_lock:
+            self.session.send(self._dealer(rank, endpoint), msg_type, content=content,
+                              buffers=buffers)
+
+    def _dealer(self, rank: int, endpoint: ChannelEndpoint) -> Any:
+        known = self._dealers.get(rank)
+        if known is not None and known[0] == endpoint:
+            return known[1]
+        if known is not None:
+            known[1].close(linger=0)
+        dealer = self.context.socket(self._zmq.DEALER)
+        dealer.linger = 0
+        dealer.sndtimeo = SEND_TIMEOUT_MS
+        if endpoint.public_key is not None:
+            dealer.curve_publickey, dealer.curve_secretkey = self.public_key, self._secret_key
+            dealer.curve_serverkey = endpoint.public_key
+        dealer.connect(endpoint.address)
+        self._dealers[rank] = (endpoint, dealer)
+        return dealer
+
+    def call(self, endpoints: dict[int, ChannelEndpoint], name: str, args: tuple[Any, ...],
+             timeout: float) -> Gathered[int]:
+        """Call one of the ranks' channel functions (`nbdist.worker.cell_channel.CALLS`) on
+        each rank and collect the results under one deadline (between cells: the runner is the
+        only other reader of `inbox`); never raises for a rank's failure or silence."""
+        from ipyparallel.serialize import serialize_object
+
+        token = self.new_token()
+        buffers = serialize_object(args)
+        for rank, endpoint in endpoints.items():
+            self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
+        self.hold()
+        try:
+            return self._answers(token, set(endpoints), timeout)
+        finally:
+            self.release()
+
+    def _answers(self, token: str, waiting: set[int], timeout: float) -> Gathered[int]:
+        from ipyparallel.serialize import deserialize_object
+
+        out: Gathered[int] = Gathered()
+        deadline = time.monotonic() + timeout
+        while waiting and time.monotonic() < deadline:
+            for message in self.receive(max(0.0, deadline - time.monotonic())):
+                if message.token != token or message.rank not in waiting:
+                    continue  # a cell's late output, given up on
+                waiting.discard(message.rank)
+                content = message.msg["content"]
+                if content.get("status") != "ok":
+                    out.failures[message.rank] = f"{content.get('ename')}: {content.get('evalue')}"
+                    continue
+                try:
+                    out.results[message.rank] = deserialize_object(message.msg["buffers"])[0]
+                except Exception as exc:  # e.g. a class the ranks define and this process not
+                    out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
+        out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
+        return out
+
+    # ------------------------------------------------------------------ receiving
+    def hold(self) -> None:
+        """Read the PULL on this thread until `release` (a cell or a call waits for answers:
+        one thread wake-up less per message); what the reader thread took before it let go is
+        read from `inbox` first."""
+        self._holds += 1
+        tag = str(self._holds).encode()
+        self._wake.send(b"hold " + tag)
+        interrupted = False
+        while True:  # the stop button waits for the answer: it comes at once
+            try:
+                if self._wake.recv() == tag:
+                    break
+            except KeyboardInterrupt:
+                interrupted = True
+        self._held = True
+        if interrupted:
+            raise KeyboardInterrupt
+
+    def release(self) -> None:
+        """The reader thread reads again (between cells: a rank's widget messages)."""
+        self._held = False
+        self._wake.send(b"read")
 
     def receive(self, timeout: float) -> list[ChannelMessage]:
-        """Whatever arrived within `timeout` seconds (returns as soon as something did)."""
-        zmq = self._zmq
-        if not self.poller.poll(max(0, int(timeout * 1000))):
-            return []
+        """Whatever arrived for the cell runner within `timeout` seconds (returns as soon as
+        something did)."""
         messages = []
         while True:
             try:
-                frames = self.pull.recv_multipart(flags=zmq.NOBLOCK, copy=True)
-            except zmq.Again:
+                messages.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        if not self._held:
+            if messages or timeout <= 0:
                 return messages
+            try:
+                return [self.inbox.get(timeout=timeout), *self.receive(0)]
+            except queue.Empty:
+                return []
+        wait = 0 if messages else max(0, int(timeout * 1000))
+        if self._poller.poll(wait):
+            self._drain(self._pull, messages.append)
+        return messages
+
+    def _read(self, woken: Any) -> None:
+        """The reader thread: the PULL between cells, until `close`."""
+        zmq = self._zmq
+        poller = zmq.Poller()
+        poller.register(self._pull, zmq.POLLIN)
+        poller.register(woken, zmq.POLLIN)
+        try:
+            order = b""
+            while order != b"stop":
+                order = woken.recv() if woken in dict(poller.poll()) else b""
+                while order.startswith(b"hold "):  # the socket is the main thread's meanwhile
+                    woken.send(order[5:])
+                    order = woken.recv()
+                self._drain(self._pull, self.inbox.put)
+        finally:
+            self._pull.close(linger=0)
+            woken.close(linger=0)
+
+    def _drain(self, pull: Any, deliver: Callable[[ChannelMessage], None]) -> None:
+        """Every message waiting on the PULL: a widget's to `on_comm`, a cell's to `deliver`."""
+        zmq = self._zmq
+        while True:
+            try:
+                frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                return
             message = self._parse(frames)
-            if message is not None:
-                messages.append(message)
+            if message is None:
+                continue
+            if message.msg["header"]["msg_type"] in COMM_TYPES:
+                self._to_widgets(message)
+            elif message.token:
+                deliver(message)
+
+    def _to_widgets(self, message: ChannelMessage) -> None:
+        handler = self.on_comm
+        if handler is not None:
+            try:
+                handler(message)
+            except Exception as exc:  # a widget's trouble never stops the channel
+                print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
+                      file=sys.__stderr__)
 
     def _parse(self, frames: list[bytes]) -> ChannelMessage | None:
         try:
@@ -79,33 +267,28 @@ class NotebookChannel:
         except Exception:  # unsigned, replayed or malformed: not from this cluster's ranks
             return None
 
-    def _dealer(self, rank: int, port: int) -> Any:
-        known = self._dealers.get(rank)
-        if known is not None and known[0] == port:
-            return known[1]
-        if known is not None:
-            known[1].close(linger=0)
-        dealer = self.context.socket(self._zmq.DEALER)
-        dealer.linger = 0
-        dealer.sndtimeo = SEND_TIMEOUT_MS
-        dealer.connect(f"tcp://127.0.0.1:{port}")
-        self._dealers[rank] = (port, dealer)
-        return dealer
-
     def close(self) -> None:
-        for _port, dealer in self._dealers.values():
+        self._wake.send(b"stop")
+        self._reader.join(CLOSE_TIMEOUT)
+        if self.on_comm is not None:
+            self.on_comm.close()
+        for _endpoint, dealer in self._dealers.values():
             dealer.close(linger=0)
         self._dealers.clear()
-        self.pull.close(linger=0)
-        self.context.term()
+        self._wake.close(linger=0)
+        if not self._reader.is_alive():
+            self.context.term()
 
 
-def open_channel(client: Any, enabled: bool) -> NotebookChannel | None:
+def open_channel(channel: NotebookChannel | None, client: Any, bind_host: str,
+                 curve: bool) -> NotebookChannel:
     """The channel for a cluster whose ipyparallel client is `client` (its key signs every
-    message), or None when direct cells are off."""
-    if not enabled or client is None:
-        return None
-    return NotebookChannel(client.session.key, client.session.signature_scheme)
+    message): `channel` if it listens on `bind_host` with that encryption, else a new one."""
+    if channel is not None:
+        if channel.bind_host == bind_host and (channel.public_key is not None) == curve:
+            return channel
+        channel.close()
+    return NotebookChannel(client.session.key, client.session.signature_scheme, bind_host, curve)
 
 
 def close_channel(channel: NotebookChannel | None) -> None:

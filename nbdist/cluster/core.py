@@ -77,7 +77,7 @@ class ClusterCore:
             self._processes, self._liveness.record_exit, launcher=launcher,
             options=self.launcher_options, interface=interface, profile=profile)
         self.rendezvous = Rendezvous(master_addr, interface)
-        self.cell_channel: NotebookChannel | None = None  # cells straight to local ranks
+        self.cell_channel: NotebookChannel | None = None  # cells to every rank
 
     # ------------------------------------------------------------------ state
     @property
@@ -120,12 +120,10 @@ class ClusterCore:
     def _launchers(self) -> list[Any]:
         return self.launch_mode.engines.launchers()
 
-    def cell_channel_address(self) -> str | None:
-        """Where local ranks send what their direct cells produce (the channel is made on first
-        use); None when every cell goes through ipyparallel (NbdistConfig.direct_cells)."""
-        direct = self.config.start.direct_cells
-        self.cell_channel = self.cell_channel or open_channel(self._client, direct)
-        return self.cell_channel.address if self.cell_channel is not None else None
+    def channel(self) -> NotebookChannel:
+        """The cell channel to every rank (made at each setup)."""
+        self._require_running()
+        return self.cell_channel  # type: ignore[return-value]
 
     def is_registered(self, engine_id: int) -> bool:
         """The controller still lists this engine (True when there is no client to ask)."""
@@ -200,11 +198,14 @@ class ClusterCore:
         self.backend = specs[0].backend
         self.generation += 1
         self.rendezvous.choose(self.launch_mode.spans_hosts, specs, probes)
+        self.cell_channel = open_channel(self.cell_channel, client,
+                                         self.rendezvous.notebook_host(client, probes),
+                                         curve=self.launch_mode.curve or self.rendezvous.spans_hosts)
         port = self.rendezvous.port(client, specs[0].engine_id, timeout)
         self.ranks = rank_setup.setup_ranks(
-            client, specs, probes, port=port, generation=self.generation, rendezvous=self.rendezvous,
-            config=self.config, workdir=self.workdir, requested_threads=self.requested_threads,
-            cell_channel=self.cell_channel_address())
+            client, specs, probes, port=port, generation=self.generation,
+            rendezvous=self.rendezvous, config=self.config, workdir=self.workdir,
+            requested_threads=self.requested_threads, channel=self.cell_channel)
         for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
             say(f"nbdist: {note}")
         self.launch_mode.write_pidfile(self.ranks)
@@ -272,13 +273,13 @@ class ClusterCore:
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
-        views = {r: self.view(r) for r in self.targets(ranks)}
-        rank_calls.push(views, values, self.config.start.bootstrap_timeout)
+        targets = [self.ranks[r] for r in self.targets(ranks)]
+        rank_calls.push(self.channel(), targets, values, self.config.start.bootstrap_timeout)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
-        views = {r: self.view(r) for r in self.targets(ranks)}
-        return rank_calls.pull(views, name, self.config.start.bootstrap_timeout)
+        targets = [self.ranks[r] for r in self.targets(ranks)]
+        return rank_calls.pull(self.channel(), targets, name, self.config.start.bootstrap_timeout)
 
     # ------------------------------------------------------------------ restart / stop
     def restart(self, progress: Progress | None = None) -> ClusterCore:

@@ -37,6 +37,8 @@ class LaunchMode:
 
     plan: LauncherPlan | None = None
     """How ipyparallel starts the engines, for the modes that start them."""
+    curve = False
+    """Encrypt ipyparallel's traffic and the cell channel with CurveZMQ (`--curve`)."""
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
@@ -125,7 +127,7 @@ class _OwnedEngines(LaunchMode):
         super().__init__(processes, on_exit)
         self.name, self.options, self.interface = launcher, options, interface
         self.plan = build_launcher_plan(launcher, options, interface=interface)
-        self.spans_hosts = self.plan.spans_hosts
+        self.spans_hosts, self.curve = self.plan.spans_hosts, self.plan.curve
 
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
         n = self.rank_count(requested_n)

@@ -73,8 +73,9 @@ RENDEZVOUS_WARNING = (
     "rendezvous store (MASTER_ADDR:MASTER_PORT on rank 0) and gloo/NCCL connections are "
     "unauthenticated and unencrypted: anyone who can reach those ports can join or disturb the "
     "process group. Keep the ranks on a private network (a cluster fabric, a VPN, a firewalled "
-    "VLAN) and pin it with --interface IFACE (Cluster(interface=...)); the ipyparallel connection "
-    "itself is HMAC-signed, and launcher_options={'curve': True} (--curve) encrypts it too."
+    "VLAN) and pin it with --interface IFACE (Cluster(interface=...)). nbdist's cell channel "
+    "(cells, their output, pdb, widgets) is signed and CurveZMQ-encrypted; ipyparallel's "
+    "connection is signed, and launcher_options={'curve': True} (--curve) encrypts it too."
 )
 
 
@@ -100,6 +101,10 @@ class LauncherPlan:
 
     engine_pids_local: bool = True
     """The engine-set launcher's PIDs are processes on this machine (safe to signal by PID)."""
+
+    curve: bool = False
+    """Encrypt with CurveZMQ (`--curve`): ipyparallel's traffic, and the cell channel on one host
+    too (across hosts it always is)."""
 
 
 def engine_command(python: str | None = None) -> list[str]:
@@ -165,7 +170,8 @@ def build_launcher_plan(
                               "variable names to values (Cluster(launcher_options=...))")
         cfg[engine_set].environment = {str(k): str(v) for k, v in environment.items()}
 
-    controller_args = _controller_args(opts, spans_hosts)
+    curve = flag(opts.pop("curve", False))
+    controller_args = _controller_args(opts, spans_hosts, curve)
     cluster_kwargs: dict[str, Any] = {"engine_launcher_class": f"ipyparallel.cluster.launcher.{engine_set}"}
     cluster_kwargs.update(_controller_address(opts, spans_hosts, interface, launcher, cfg[engine_set]))
     assert opts == {}, opts  # every option was consumed above
@@ -174,7 +180,8 @@ def build_launcher_plan(
         cls_name, trait = key.split(".", 1)
         cfg[cls_name][trait] = value
     cluster_kwargs["controller_args"] = controller_args
-    return LauncherPlan(launcher, cfg, cluster_kwargs, spans_hosts, placement.engine_pids_local)
+    return LauncherPlan(launcher, cfg, cluster_kwargs, spans_hosts, placement.engine_pids_local,
+                        curve)
 
 
 def _set_friendly_options(launcher: str, opts: dict[str, Any], engine_set: Config) -> None:
@@ -253,14 +260,14 @@ def _place_ssh(cfg: Config, opts: dict[str, Any], n: int | None, python: str | N
 _PLACEMENTS = {"local": _place_local, "mpi": _place_mpi, "slurm": _place_slurm, "ssh": _place_ssh}
 
 
-def _controller_args(opts: dict[str, Any], spans_hosts: bool) -> list[str]:
+def _controller_args(opts: dict[str, Any], spans_hosts: bool, curve: bool) -> list[str]:
     """Log level, CurveZMQ and heartbeat settings for the controller (popped from `opts`)."""
     # ipyparallel's controller logs every request at INFO and warns about every telemetry
     # payload ("unhandled iopub msg_type: 'data_message'"): ~9 MB an hour of training on 8
     # ranks. Errors only, unless the user's own --log-level (later on the line) says otherwise.
     args: list[str] = ["--log-level=40"]
     args += as_list(opts.pop("controller_args", []), "controller_args")
-    if flag(opts.pop("curve", False)):
+    if curve:
         args.append("--IPController.enable_curve=True")
     if spans_hosts:
         # a dead host's engines are found by the controller's heartbeat (their PIDs are remote)

@@ -1,5 +1,6 @@
-"""Calls the notebook makes on a set of ranks between cells: push and pull values, tear down or
-rebuild the process group. Each waits under one deadline (`nbdist.cluster.remote.gather`).
+"""Calls the notebook makes on a set of ranks between cells: push and pull values (over the cell
+channel, encrypted wherever cells are), tear down or rebuild the process group (ipyparallel's
+apply). Each waits under one deadline.
 
 `views` are ipyparallel views by rank (or by engine id), as `ClusterCore` hands them over.
 """
@@ -7,35 +8,38 @@ rebuild the process group. Each waits under one deadline (`nbdist.cluster.remote
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from nbdist.cluster.arguments import check_pushed_values, check_variable_name
+from nbdist.cluster.cell_channel import ChannelEndpoint, NotebookChannel
 from nbdist.cluster.rank_setup import collect
+from nbdist.cluster.ranks import RankProcess
 from nbdist.cluster.remote import gather
-from nbdist.errors import Interrupted, NbdistError
+from nbdist.errors import ClusterStartError, Interrupted, NbdistError
 from nbdist.worker import bootstrap
 
 
-def push(views: Mapping[int, Any], values: dict[str, Any], timeout: float) -> None:
+def push(channel: NotebookChannel, ranks: Sequence[RankProcess], values: dict[str, Any],
+         timeout: float) -> None:
     """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
     values = check_pushed_values(values)
     try:
-        asyncs = {r: view.apply_async(bootstrap.receive_values, values) for r, view in views.items()}
-        collect(asyncs, timeout, "push", label="rank")
+        gathered = channel.call(_endpoints(ranks), "push", (values,), timeout)
     except KeyboardInterrupt:
         raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may have "
                           "the new values and others not; push again before using them") from None
+    if gathered.failures:
+        lines = [f"rank {rank}: {why}" for rank, why in sorted(gathered.failures.items())]
+        raise ClusterStartError("push failed:\n" + "\n".join(lines))
 
 
-def pull(views: Mapping[int, Any], name: str, timeout: float) -> dict[int, Any]:
+def pull(channel: NotebookChannel, ranks: Sequence[RankProcess], name: str,
+         timeout: float) -> dict[int, Any]:
     """One name from each rank: {rank: value} (tensors arrive on CPU)."""
     check_variable_name(name, "pull")
     try:
-        loadable = notebook_classes()
-        asyncs = {r: view.apply_async(bootstrap.send_values, [name], loadable)
-                  for r, view in views.items()}
-        gathered = gather(asyncs, timeout)
+        gathered = channel.call(_endpoints(ranks), "pull", ([name], notebook_classes()), timeout)
     except KeyboardInterrupt:
         raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the ranks "
                           "still hold it") from None
@@ -52,6 +56,13 @@ def notebook_classes() -> list[str]:
     if main is None:
         return []
     return sorted(name for name, value in vars(main).items() if isinstance(value, type))
+
+
+def _endpoints(ranks: Sequence[RankProcess]) -> dict[int, ChannelEndpoint]:
+    missing = [p.spec.rank for p in ranks if p.endpoint is None]
+    if missing:
+        raise NbdistError(f"rank(s) {missing} have no cell channel (their setup did not finish)")
+    return {p.spec.rank: p.endpoint for p in ranks if p.endpoint is not None}
 
 
 def teardown_process_groups(views: Mapping[int, Any], timeout: float) -> list[int]:

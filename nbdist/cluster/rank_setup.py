@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nbdist import torch_support
+from nbdist.cluster.cell_channel import NotebookChannel
 from nbdist.cluster.launchers import LauncherPlan
 from nbdist.cluster.ranks import (
     EngineInfo,
@@ -103,7 +104,7 @@ def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: 
 
 def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, port: int,
                 generation: int, rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                requested_threads: int | None, cell_channel: str | None) -> list[RankProcess]:
+                requested_threads: int | None, channel: NotebookChannel) -> list[RankProcess]:
     """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
     own_cores = cores_of_their_own(specs, probes)
     asyncs = {}
@@ -113,7 +114,7 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
                                                        spec.local_world_size, own_cores[spec.host])
         setup = rank_setup_message(spec, probe, port=port, generation=generation,
                                    rendezvous=rendezvous, config=config, workdir=workdir,
-                                   threads=threads, cell_channel=cell_channel)
+                                   threads=threads, channel=channel)
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
     results = collect(asyncs, config.start.bootstrap_timeout,
                       "setting up ranks and the process group")
@@ -122,15 +123,14 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
 
 def rank_setup_message(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
                        rendezvous: Rendezvous, config: NbdistConfig, workdir: str, threads: int,
-                       cell_channel: str | None) -> RankSetup:
+                       channel: NotebookChannel) -> RankSetup:
     """What one rank's setup_rank call is told."""
-    here = is_local_engine(probe)
     return RankSetup(
         spec=spec, master_addr=rendezvous.master_addr, port=port, generation=generation,
         store_path=rendezvous.store_path(workdir, generation), threads=threads,
         cwd=os.getcwd(), interface=rendezvous.rank_interface(probe),
-        private_dir=workdir if here else None, cell_channel=cell_channel if here else None,
-        config=config)
+        private_dir=workdir if is_local_engine(probe) else None,
+        channel=channel.setup_for(rendezvous.channel_host(probe)), config=config)
 
 
 def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[str, bool]:
@@ -156,7 +156,7 @@ def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
             local=is_local_engine(probes[spec.engine_id]),
             release_signal=probes[spec.engine_id].get("release_signal"),
             report_signal=probes[spec.engine_id].get("report_signal"),
-            cell_port=results[spec.engine_id].cell_port,
+            endpoint=results[spec.engine_id].endpoint,
             notes=list(results[spec.engine_id].notes),
         )
         for spec in specs

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from nbdist.cluster.arguments import check_rank_selection
 from nbdist.errors import NbdistError
+from nbdist.worker.cell_channel import ChannelEndpoint
 from nbdist.worker.setup_message import RankSpec
 
 BACKENDS = ("auto", "nccl", "gloo")
@@ -61,7 +62,7 @@ class RankProcess:
     local: bool = True  # a process on this machine (signalled by PID); else through the controller
     release_signal: int | None = None  # the engine's "fail your blocked collective" signal, if any
     report_signal: int | None = None  # its "say where you are now" signal (nbdist.worker.release)
-    cell_port: int | None = None  # the engine's direct cell channel (nbdist.worker.cell_channel)
+    endpoint: ChannelEndpoint | None = None  # where its cells go (nbdist.worker.cell_channel)
     notes: list[str] = field(default_factory=list)  # what the rank said at setup (kept settings)
 
 

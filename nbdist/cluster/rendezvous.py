@@ -51,6 +51,37 @@ class Rendezvous:
             return self.interface
         return probe.get("route_interface") or None
 
+    def channel_host(self, probe: dict[str, Any]) -> str:
+        """Where a rank's cell channel listens: loopback on one host; across hosts the rank's
+        address on --interface, else the one it reaches the controller (this host) by."""
+        if not self.spans_hosts:
+            return "127.0.0.1"
+        addresses = probe.get("addresses", {}).get(self.interface or "", [])
+        address = addresses[0] if addresses else probe.get("route_address")
+        if not address:
+            raise ClusterStartError(
+                f"could not tell which address of host {probe.get('host')} the notebook can reach "
+                "its rank by; pass interface= (--interface)")
+        return str(address)
+
+    def notebook_host(self, client: Any, probes: dict[int, Any]) -> str:
+        """Where the notebook's end of the cell channel listens: loopback on one host; across
+        hosts this host's address on --interface, else the one the engines reach the controller
+        by when the controller runs here, else the one this host reaches the first rank by."""
+        if not self.spans_hosts:
+            return "127.0.0.1"
+        mine = {a for addresses in net.ipv4_addresses().values() for a in addresses}
+        if self.interface is not None and net.interface_ipv4(self.interface):
+            return str(net.interface_ipv4(self.interface))
+        controller = controller_host(client)
+        if controller in mine:
+            return str(controller)
+        for probe in probes.values():
+            if probe.get("route_address"):
+                return net.route_source(str(probe["route_address"]))
+        raise ClusterStartError("could not tell which address of this host the ranks reach it by; "
+                                "pass interface= (--interface)")
+
     def store_path(self, workdir: str, generation: int) -> str | None:
         """A file store per generation in the private directory when every rank is local."""
         if self.spans_hosts or not workdir:

@@ -69,7 +69,7 @@ def _join_together(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int
             rendezvous=cluster.rendezvous, config=config, workdir=cluster.workdir,
             # the rank it replaces had its host's share worked out already
             threads=cluster.requested_threads or cluster.ranks[spec.rank].threads,
-            cell_channel=cluster.cell_channel_address())
+            channel=cluster.channel())
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
     rebuilds = {p.spec.engine_id: client[p.spec.engine_id].apply_async(
         bootstrap.rebuild_process_group, port, generation, cluster.master_addr, store_path)

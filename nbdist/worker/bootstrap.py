@@ -30,7 +30,7 @@ from nbdist.worker import (
 )
 from nbdist.worker.agent import TelemetryAgent, install_agent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.cell_channel import open_channel
+from nbdist.worker.cell_channel import CALLS, open_channel
 from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
@@ -105,16 +105,15 @@ def setup_rank(setup: RankSetup) -> RankReady:
     _define_names(shell, spec, device)
     _install_hooks(shell)
     RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
-    install_breakpoint_hook(RUNTIME.agent, setup.private_dir,
-                            config.internal.breakpoint_poll_interval)
-    cell_port = open_channel(spec.rank, setup.cell_channel) if setup.cell_channel else None
+    install_breakpoint_hook(RUNTIME.agent)
+    endpoint = open_channel(spec.rank, setup.channel)
     RUNTIME.pg_timeout = setup.process_group_timeout
     if spec.backend == "gloo":  # NCCL's record completes when its watchdog looks: no wait
         RUNTIME.cell_end_collective_wait = config.faults.cell_end_collective_wait
     _join_generation(setup.generation, setup.master_addr, setup.port, setup.store_path)
     # last: torch, the engine and the group are the baseline the budget is counted from
     apply_memory_limit(config.start.memory_limit, device)
-    return RankReady(device=str(device), threads=threads, cell_port=cell_port, notes=tuple(notes))
+    return RankReady(device=str(device), threads=threads, endpoint=endpoint, notes=tuple(notes))
 
 
 def _apply_nccl_environment() -> list[str]:
@@ -376,6 +375,9 @@ def send_values(names: list[str], loadable: list[str] | tuple[str, ...] = ()) ->
             "notebook does not define: it could not rebuild the value. Run the same definition "
             "in a plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
     return values
+
+
+CALLS.update(push=receive_values, pull=send_values)  # what the notebook calls over the channel
 
 
 def shutdown_rank() -> None:

@@ -1,8 +1,6 @@
 """Rank side of ``breakpoint()`` in a ``%%distributed`` cell: a `pdb.Pdb` whose prompt travels to
-the notebook as a telemetry payload and whose commands come back as files in the cluster's
-private work directory (so only a rank on the notebook's machine can stop at one).
-
-The notebook half is `nbdist.cells.breakpoints`; `answer_path` is the one name both agree on.
+the notebook as a telemetry payload and whose commands come back over the cell channel, on any
+host. The notebook half is `nbdist.cells.breakpoints`.
 """
 
 from __future__ import annotations
@@ -12,12 +10,13 @@ import io
 import itertools
 import os
 import pdb
-import socket
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from nbdist.worker import cell_channel
 
 SKIPPED_MODULES = ["IPython.*", "ipykernel.*", "ipyparallel.*", "nbdist.*", "tornado.*",
                    "asyncio.*", "zmq.*", "traitlets.*", "contextlib", "codeop"]
@@ -27,26 +26,18 @@ the compiler IPython calls between a cell's statements."""
 _SEQ = itertools.count(1)
 
 
-def answer_path(directory: str, rank: int, seq: str) -> str:
-    """Where the notebook writes its answer to prompt `seq` of `rank`."""
-    return os.path.join(directory, f"breakpoint-rank{rank}-{seq}.answer")
-
-
 @dataclass
 class _Settings:
     agent: Any  # the rank's TelemetryAgent: publishes prompts, knows whether a cell runs
-    directory: str | None
-    poll_interval: float
 
 
 _SETTINGS: _Settings | None = None
 
 
-def install(agent: Any, directory: str | None, poll_interval: float) -> None:
-    """Make ``breakpoint()`` on this rank ask the notebook (`directory`: the cluster's workdir,
-    None when this rank is on another machine); `agent` publishes the prompts."""
+def install(agent: Any) -> None:
+    """Make ``breakpoint()`` on this rank ask the notebook; `agent` publishes the prompts."""
     global _SETTINGS
-    _SETTINGS = _Settings(agent, directory, poll_interval)
+    _SETTINGS = _Settings(agent)
     sys.breakpointhook = hook
 
 
@@ -65,9 +56,8 @@ def hook(*_args: Any, **_kwargs: Any) -> None:
 
 
 def _cannot_stop(settings: _Settings) -> str | None:
-    if settings.directory is None:
-        return (f"it needs a rank on the notebook's machine (this rank runs on "
-                f"{socket.gethostname()})")
+    if cell_channel.server() is None:
+        return "the rank has no cell channel to the notebook"
     if threading.current_thread() is not threading.main_thread():
         return (f"only a cell's main thread can stop (this is thread "
                 f"{threading.current_thread().name!r})")
@@ -77,7 +67,7 @@ def _cannot_stop(settings: _Settings) -> str | None:
 
 
 class RankPdb(pdb.Pdb):
-    """pdb with its output captured and its input read from the notebook's answer files."""
+    """pdb with its output captured and its input answered by the notebook."""
 
     def __init__(self, rank: int, settings: _Settings) -> None:
         self.output = io.StringIO()
@@ -143,16 +133,10 @@ class _AnswerReader:
         prompt = self.debugger.prompt
         if text.endswith(prompt):
             text = text[: -len(prompt)]
+        server = cell_channel.server()
+        if server is None:
+            return "c\n"
         seq = f"{os.getpid()}-{next(_SEQ)}"  # never an answer left from an earlier engine
-        path = answer_path(str(self.settings.directory), self.rank, seq)
         self.publish(text, seq)
-        while True:
-            try:
-                with open(path, encoding="utf-8") as answer:
-                    line = answer.read()
-            except FileNotFoundError:
-                time.sleep(self.settings.poll_interval)
-                continue
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-            return line if line.endswith("\n") else line + "\n"
+        line = server.wait_for_answer(seq)
+        return line if line.endswith("\n") else line + "\n"

@@ -232,7 +232,7 @@ def install_metrics(agent: TelemetryAgent) -> None:
     except Exception as exc:  # the dashboard is optional: a rank must come up without it
         agent.provider_errors["metrics"] = repr(exc)
     # the straggler view's step and collective timing rides along with the metrics, and
-    # tqdm.auto draws the console bar the notebook shows live (not a widget it cannot draw)
+    # tqdm.auto draws the console bar: one text display per rank in the notebook, kept when saved
     install_step_timing(agent)
     progress_bars.install()
 

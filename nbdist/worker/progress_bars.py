@@ -1,10 +1,13 @@
 """``tqdm.auto`` in a rank picks the console bar, which the notebook shows as one bar per rank.
 
-A rank is an IPython kernel, so ``tqdm.auto`` would pick the ipywidgets bar: its model lives in
-the rank, the notebook can never draw it ("model not found") and its updates never arrive. The
-console bar redraws a line with ``\\r`` on stderr, which ``nbdist.notebook.progress`` turns into
-one display per rank updated in place. A finder answers the import of ``tqdm.autonotebook``
-(what ``tqdm.auto`` imports) lazily: nothing is imported until the user imports tqdm.
+A rank is an IPython kernel with ipywidgets, so ``tqdm.auto`` would pick the widget bar. That bar
+works (a rank's widgets reach the notebook: ``nbdist.cells.widgets``), and ``tqdm.notebook``
+gives it to whoever asks for it; but N ranks' widget bars say nothing of which rank drew them,
+and a notebook saved without its widget state, or run headless, shows none of them. The console
+bar redraws a line with ``\\r`` on stderr, which ``nbdist.notebook.progress`` turns into one
+text display per rank, updated in place and kept in the saved notebook. A finder answers the
+import of ``tqdm.autonotebook`` (what ``tqdm.auto`` imports) lazily: nothing is imported until
+the user imports tqdm.
 """
 
 from __future__ import annotations

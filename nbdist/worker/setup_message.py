@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from nbdist.config import NbdistConfig
+from nbdist.worker.cell_channel import ChannelEndpoint, ChannelSetup
 
 
 @dataclass(frozen=True)
@@ -58,10 +59,10 @@ class RankSetup:
     """The interface gloo, NCCL and TensorPipe use (--interface, or across hosts the one the
     rank reaches the controller by); None: their own choice, loopback on one host."""
     private_dir: str | None
-    """The cluster's private directory, for a rank on this machine only: breakpoint() answers
-    travel as files there, and the flight recorder's dump goes there."""
-    cell_channel: str | None
-    """Where a rank on this machine sends what its direct cells produce (a loopback socket)."""
+    """The cluster's private directory, for a rank on this machine only: the flight recorder's
+    dump goes there."""
+    channel: ChannelSetup
+    """Where the rank listens for cells, their output, pdb answers and widget messages."""
     config: NbdistConfig
     """The rank reads its faults (group timeouts, flight recorder), telemetry, internal
     sections and `start.memory_limit`."""
@@ -79,7 +80,7 @@ class RankReady:
 
     device: str
     threads: int
-    cell_port: int | None
-    """The rank's end of the direct cell channel (nbdist.worker.cell_channel), if it has one."""
+    endpoint: ChannelEndpoint
+    """Where the rank's cell channel listens (nbdist.worker.cell_channel)."""
     notes: tuple[str, ...] = ()
     """Settings the rank kept rather than nbdist's (an NCCL variable the user set...)."""
