@@ -27,12 +27,12 @@ from nbdist.cluster.arguments import (
     check_code,
     check_directory,
     check_rank_selection,
-    check_seconds,
+    check_timeout,
 )
 from nbdist.cluster.core import ClusterCore, Progress
-from nbdist.cluster.memory_limit import with_memory_limit
 from nbdist.cluster.replace import replace_dead_ranks
 from nbdist.cluster.status import ClusterStatus
+from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import DistributedCellError
 from nbdist.export.run import script_cell
 
@@ -58,8 +58,9 @@ class Cluster(ClusterCore):
         (nbdist.worker.memory_limit). `tensorboard`: a log directory; every rank's `nbdist.log`
         values are also written there as TensorBoard scalars (`loss/rank0`, ...) in one new run
         directory, `self.tensorboard.run_dir`. The rest: see `ClusterCore`."""
-        if memory_limit is not None:  # checked here, before anything starts
-            kwargs["config"] = with_memory_limit(kwargs.get("config"), memory_limit)
+        config = kwargs.get("config") or DEFAULT
+        if memory_limit is not None and isinstance(config, NbdistConfig):
+            kwargs["config"] = config.replace(memory_limit=memory_limit)  # checked there
         self.tensorboard: TensorBoardWriter | None = None
         if tensorboard is not None:  # checked (and the package looked for) before anything starts
             from nbdist.dashboard.tensorboard import TensorBoardWriter
@@ -83,7 +84,7 @@ class Cluster(ClusterCore):
         job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
         group; restart() waits for the engines to be back (restart them yourself)."""
         cluster = cls(n=n, **kwargs)
-        cluster._attach_target = attaching.attach_target(profile, cluster_id, profile_dir, url_file)
+        cluster.attach_to(attaching.attach_target(profile, cluster_id, profile_dir, url_file))
         cluster.start(progress)
         return cluster
 
@@ -92,7 +93,7 @@ class Cluster(ClusterCore):
         """Run code on the chosen ranks (all by default); returns a `CellResult`. `profile`:
         True or a trace path: torch.profiler on every rank, merged into `last_profile` (and
         written to that path as a Chrome/Perfetto trace)."""
-        code, ranks, timeout = check_code(code), check_rank_selection(ranks), check_seconds(timeout)
+        code, ranks, timeout = check_code(code), check_rank_selection(ranks), check_timeout(timeout)
         self._require_running()
         if profile is None or profile is False:
             self.last_result = run_cell(self, code, ranks=ranks, timeout=timeout, sink=sink)
@@ -133,8 +134,8 @@ class Cluster(ClusterCore):
         """Run an existing torchrun script unchanged on the chosen ranks (`%dist_run`): as
         `__main__`, with `sys.argv = [path, *args]` and torchrun's environment; `sys.exit(0)` is
         success. It runs in each rank's namespace, so its globals stay there for the next cell."""
-        local = all(p.local for p in self.ranks)
-        return self.run(script_cell(path, args, must_exist=local), ranks=ranks, timeout=timeout,
+        here = all(self.launch_mode.pid_is_here(p) for p in self.ranks)
+        return self.run(script_cell(path, args, must_exist=here), ranks=ranks, timeout=timeout,
                         sink=sink)
 
     def mark_setup_cell(self, code: str) -> None:
@@ -170,7 +171,7 @@ class Cluster(ClusterCore):
     def batch_job(self) -> SlurmJob | None:
         """The engines' Slurm job (`job_id`, `state()`, `log_tail()`) when `launcher="slurm"`
         submitted them; None otherwise."""
-        return self._engines.job
+        return self.launch_mode.engines.job
 
     def status(self) -> ClusterStatus:
         if self.running:

@@ -63,8 +63,11 @@ def test_the_api_reference_carries_the_docstrings(site: Path) -> None:
     for inherited in ("start", "stop", "push", "pull"):
         assert f'id="nbdist.api.Cluster.{inherited}"' in (site / "docs/api/cluster.html").read_text()
     config_page = (site / "docs/api/config.html").read_text()
-    for field in dataclasses.fields(NbdistConfig):  # every timing, with its docstring
-        assert f'id="nbdist.config.NbdistConfig.{field.name}"' in config_page
+    for section in dataclasses.fields(NbdistConfig):  # every section and timing, documented
+        assert f'id="nbdist.config.NbdistConfig.{section.name}"' in config_page
+        kind = getattr(NbdistConfig(), section.name).__class__.__name__
+        for field in dataclasses.fields(getattr(NbdistConfig(), section.name)):
+            assert f'id="nbdist.config.{kind}.{field.name}"' in config_page
     assert "--gpus-per-rank" in _text(site / "docs/api/magics.html")  # the magics' usage
 
 

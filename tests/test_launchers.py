@@ -16,6 +16,7 @@ from IPython.core.error import UsageError
 
 from nbdist import Cluster
 from nbdist.cluster import attach
+from nbdist.cluster.launch_modes import AttachedMode, LaunchedMode, LocalMode
 from nbdist.cluster.launchers import (
     LAUNCHERS,
     MultiHostWarning,
@@ -232,6 +233,20 @@ def test_cluster_constructor_validates_launcher_options_without_starting():
         Cluster(profile="mine", launcher="ssh", launcher_options={"hosts": ["a"]})
 
 
+def test_each_launch_mode_says_what_it_can_do_before_anything_starts():
+    local, slurm = Cluster(n=2).launch_mode, Cluster(n=2, launcher="slurm").launch_mode
+    attached = Cluster(n=2, profile="mine").launch_mode
+    assert (type(local), type(slurm), type(attached)) == (LocalMode, LaunchedMode, AttachedMode)
+    assert slurm.spans_hosts and not local.spans_hosts and not attached.spans_hosts
+    assert local.owned_pids([]) == [] and attached.owned_pids([]) == []  # nothing started yet
+    with pytest.raises(NbdistError, match="local engines only .this cluster's are slurm"):
+        slurm.check_replaceable(controller_lost=False)
+    with pytest.raises(NbdistError, match="local engines only .this cluster's are attached"):
+        attached.check_replaceable(controller_lost=False)
+    with pytest.raises(NbdistError, match="the controller is gone"):
+        local.check_replaceable(controller_lost=True)
+
+
 def test_dist_start_flags_reach_the_cluster(monkeypatch):
     from nbdist.notebook import magics
 
@@ -290,6 +305,11 @@ def test_attach_uses_engines_it_did_not_start_and_never_kills_them(tmp_path, fas
             assert result.raise_for_errors().grouped_values() == [([0, 1], "3.0")]
             assert {p.local for p in cluster.ranks} == {True}
             assert cluster.master_addr == "127.0.0.1"
+            # restart keeps the user's engines: the same processes, a new process group
+            engine_pids = sorted(p.pid for p in cluster.ranks)
+            cluster.restart()
+            assert sorted(p.pid for p in cluster.ranks) == engine_pids and cluster.generation == 1
+            assert cluster.run("dist.all_reduce(torch.ones(1))").raise_for_errors()
         finally:
             stopped = cluster.stop()
         assert stopped == []

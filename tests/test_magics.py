@@ -29,7 +29,7 @@ def test_push_items_become_values_without_ipython():
     assert push_values(["lr", "scale=2*lr"], namespace, lambda expr: eval(expr, {}, namespace)) == {
         "lr": 0.5, "scale": 1.0}
     for items, message in [([], "needs names"), (["missing"], "not defined in the notebook"),
-                           (["1x=1"], "not a valid name")]:
+                           (["1x=1"], "not a valid Python name")]:
         with pytest.raises(NbdistError, match=message):
             push_values(items, namespace, lambda expr: 1)
 
@@ -40,7 +40,7 @@ def test_cell_before_start_says_so(ip):
 
 
 @pytest.mark.parametrize("line,message", [
-    ("-n 0", "must be 1 or more"), ("-n two", "not a whole number"),
+    ("-n 0", "1 or more"), ("-n two", "not a whole number"),
     ("--backend mpi", "invalid choice"), ("--bogus", "unrecognized arguments"),
 ])
 def test_bad_start_arguments(ip, line, message):

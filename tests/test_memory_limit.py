@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from nbdist import Cluster
 from nbdist.cells.out_of_memory import is_out_of_memory
 from nbdist.cells.result import RankError
-from nbdist.cluster.memory_limit import memory_limit_bytes
+from nbdist.config import memory_limit_bytes
 from nbdist.errors import DistributedCellError, NbdistError
 from nbdist.notebook import magics
 

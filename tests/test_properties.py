@@ -116,7 +116,7 @@ def _assert_sane(cluster: Cluster) -> None:
     assert type(gpus) is int and gpus >= 0, gpus
     timeout = cluster.config.cell_timeout
     assert timeout is None or (math.isfinite(timeout) and timeout > 0), timeout
-    for address in (cluster._rendezvous.requested_master_addr, cluster.interface):
+    for address in (cluster.rendezvous.requested_master_addr, cluster.interface):
         assert address is None or (address and address.strip() == address), address
     assert cluster.launcher in LAUNCHERS
 

@@ -42,7 +42,7 @@ def _parents(cluster: Cluster) -> set[int]:
 
 
 def _server_pid(cluster: Cluster) -> int:
-    server = cluster._engines.fork_server
+    server = cluster.launch_mode.engines.fork_server
     assert server is not None and server.pid is not None, "a local cluster starts a fork server"
     return server.pid
 
@@ -62,7 +62,7 @@ def test_engines_are_forked_and_the_server_outlives_a_restart(cluster_factory: A
     assert draws[0] != draws[1]
     assert server in cluster.all_pids()
     # fork safety: no CUDA context and no Python thread in the server that engines fork from
-    state = fork_launcher.request(cluster._engines.fork_server.socket_path, {"op": "ping"}, 5.0)
+    state = fork_launcher.request(cluster.launch_mode.engines.fork_server.socket_path, {"op": "ping"}, 5.0)
     assert state["pid"] == server and state["python_threads"] == 1
     assert state["cuda_initialized"] is False
     assert set(state["engines"]) == {p.pid for p in cluster.ranks}
@@ -83,7 +83,7 @@ def test_a_dead_fork_server_means_cold_engines_and_a_message(cluster_factory: An
 
 def test_fork_server_off_starts_engines_cold(cluster_factory: Any, fast_config: Any) -> None:
     cluster = cluster_factory(2, config=fast_config.replace(fork_server=False))
-    assert cluster._engines.fork_server is None
+    assert cluster.launch_mode.engines.fork_server is None
     assert _parents(cluster) == {os.getpid()}
     assert _values(cluster, ALL_REDUCE) == {0: '3.0', 1: '3.0'}
 

@@ -34,7 +34,7 @@ def recent_collectives(cluster: ClusterCore, limit: int = 8) -> dict[int, list[E
                     bootstrap.recent_collectives, limit)
             except NbdistError:
                 continue
-    answers = gather(asyncs, cluster.config.cell_report_timeout)
+    answers = gather(asyncs, cluster.config.faults.cell_report_timeout)
     found: dict[int, list[EnteredCollective]] = {}
     for process in cluster.ranks:
         rank = process.spec.rank
@@ -89,7 +89,7 @@ def save_trace(cluster: ClusterCore, directory: str | os.PathLike[str],
     asyncs = {p.spec.rank: cluster.view(p.spec.rank).apply_async(bootstrap.collectives_trace,
                                                                  stacks)
               for p in cluster.ranks if p.state == "alive"}
-    answers = gather(asyncs, cluster.config.cell_report_timeout + (30.0 if stacks else 0.0))
+    answers = gather(asyncs, cluster.config.faults.cell_report_timeout + (30.0 if stacks else 0.0))
     if answers.failures:
         listed = "; ".join(f"rank {r}: {why}" for r, why in sorted(answers.failures.items()))
         raise NbdistError(f"could not read the flight recorder of every rank: {listed}")

@@ -34,7 +34,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
     input; returns how many commands ran there. The rank, its namespace and the process group
     are left as they were."""
     view = cluster.view(rank)
-    timeout = cluster.config.bootstrap_timeout
+    timeout = cluster.config.start.bootstrap_timeout
     opened = _call(view, rank, timeout, debugging.start)
     if not opened["ok"]:
         show(f"nbdist: rank {rank}: {opened['text']}")

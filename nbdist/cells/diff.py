@@ -139,7 +139,7 @@ def diff_ranks(cluster: Any, expr: str, ranks: list[int] | None = None, full: bo
     if full and len(views) != cluster.world_size:
         raise NbdistError("%dist_diff --full gathers sharded tensors, a collective: it needs "
                           "every rank (drop --ranks)")
-    timeout = cluster.config.bootstrap_timeout
+    timeout = cluster.config.start.bootstrap_timeout
     gathered = gather({r: v.apply_async(diffing.fingerprint_expression, expr, full)
                        for r, v in views.items()}, timeout)
     if gathered.failures:

@@ -60,13 +60,13 @@ def ask_where(run: RunningCell) -> None:
         if process.report_signal is not None and process.state == "alive":
             run.cluster.signal_rank(rank, process.report_signal)
             asked.append(rank)
-    give_up = time.perf_counter() + run.config.where_answer_timeout
+    give_up = time.perf_counter() + run.config.faults.where_answer_timeout
     while time.perf_counter() < give_up:
         asked = [r for r in asked if r in run.pending
                  and telemetry_time(run.cluster, r) < asked_at]
         if not asked:
             return
-        run.pump(run.config.poll_interval)
+        run.pump(run.config.internal.poll_interval)
 
 
 def _finished_state(run: RunningCell, rank: int) -> str:

@@ -44,7 +44,7 @@ class InterruptLadder:
             return self.outcome
         stuck &= self.run.pending
         if self._release(stuck):
-            if self._pump(self.config.teardown_grace, stuck):
+            if self._pump(self.config.faults.teardown_grace, stuck):
                 return self.outcome
             stuck &= self.run.pending
         self._kill(stuck)
@@ -62,7 +62,8 @@ class InterruptLadder:
         idle = [p.spec.rank for p in self.cluster.ranks if p.state == "alive" and p.spec.rank not in self.run.pending]
         if idle and self.tear_down_idle_peers:
             self.outcome.torn_down = True
-            done = self.cluster.teardown_process_group(idle, timeout=self.config.teardown_grace)
+            grace = self.config.faults.teardown_grace
+            done = self.cluster.teardown_process_group(idle, timeout=grace)
             self.run.result.actions.append(
                 f"tore down the process group on idle rank(s) {format_ranks(done)} to release "
                 f"rank(s) {format_ranks(sorted(stuck))} blocked on them"
@@ -80,7 +81,7 @@ class InterruptLadder:
             f"killed the engine of rank(s) {format_ranks(sorted(stuck))} (last step of the ladder); "
             "run %dist_restart (Cluster.restart()) for a full cluster"
         )
-        self._pump(self.config.kill_confirm_wait, stuck)
+        self._pump(self.config.faults.kill_confirm_wait, stuck)
         for rank in stuck & self.run.pending:  # the kill is certain; do not wait for the notification
             self.run.pending.discard(rank)
             self.cluster.mark_dead(rank, self.outcome.killed[rank])
@@ -91,15 +92,16 @@ class InterruptLadder:
         a collective: those cannot see SIGINT, so waiting the full interrupt_grace would be wasted."""
         sent = time.time()
         started = time.perf_counter()
-        grace = self.config.interrupt_grace
-        if self._pump(min(self.config.collective_grace, grace), stuck):
+        grace = self.config.faults.interrupt_grace
+        if self._pump(min(self.config.faults.collective_grace, grace), stuck):
             return True
         while time.perf_counter() - started < grace:
             waiting = stuck & self.run.pending
             fresh = all(telemetry_time(self.cluster, r) > sent for r in waiting)
             if fresh and all(blocked_in_collective(self.cluster, r) for r in waiting):
                 return False
-            step = min(self.config.poll_interval * 5, grace - (time.perf_counter() - started))
+            left = grace - (time.perf_counter() - started)
+            step = min(self.config.internal.poll_interval * 5, left)
             if self._pump(step, stuck):
                 return True
         return not (stuck & self.run.pending)

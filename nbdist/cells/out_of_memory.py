@@ -8,7 +8,7 @@ import re
 from collections.abc import Callable
 
 from nbdist.cells.result import CellResult, RankError
-from nbdist.cluster.memory_limit import describe_memory_limit, memory_limit_bytes
+from nbdist.text import format_bytes
 
 _OOM_NAMES = {"MemoryError", "OutOfMemoryError"}
 _OOM_TEXT = re.compile(
@@ -26,19 +26,18 @@ def is_out_of_memory(err: RankError, engine_log: str = "") -> bool:
     return False
 
 
-def name_out_of_memory(result: CellResult, memory_limit: int | str | None,
+def name_out_of_memory(result: CellResult, memory_limit: int | None,
                        engine_log: Callable[[int], str]) -> list[int]:
     """Mark every root-cause error that is an allocation failure under a memory limit with that
     limit (its headline then reads "rank N ran out of memory: it is limited to ..."); returns
     those ranks. `engine_log(rank)`: the end of that rank's engine log (asked for dead ranks only)."""
-    limit = memory_limit_bytes(memory_limit)
-    if limit is None:
+    if memory_limit is None:
         return []
     named = []
     for rank, err in sorted(result.errors.items()):
         log = _safe_log(engine_log, rank) if err.kind == "dead" else ""
         if is_out_of_memory(err, log):
-            err.out_of_memory = describe_memory_limit(limit)
+            err.out_of_memory = describe_memory_limit(memory_limit)
             line = _allocation_line(log)
             if line and line not in err.traceback:
                 err.traceback = f"its engine log says: {line}\n{err.traceback}".rstrip()
@@ -56,3 +55,8 @@ def _safe_log(engine_log: Callable[[int], str], rank: int) -> str:
 def _allocation_line(log: str) -> str:
     lines = [ln.strip() for ln in log.splitlines() if _OOM_TEXT.search(ln)]
     return lines[-1] if lines else ""
+
+
+def describe_memory_limit(size: int) -> str:
+    """How a report names the limit: ``1.00 GiB by --memory-limit``."""
+    return f"{format_bytes(size)} by --memory-limit (Cluster(memory_limit=...))"

@@ -93,12 +93,14 @@ class FaultPolicy:
 
     def should_run_ladder(self, now: float) -> bool:
         """Ranks still running `fault_settle` seconds after the first fault are stuck: ladder them."""
-        settled = self.first_fault_at is not None and now - self.first_fault_at >= self.config.fault_settle
-        return settled and bool(self.run.pending)
+        if self.first_fault_at is None or not self.run.pending:
+            return False
+        return now - self.first_fault_at >= self.config.faults.fault_settle
 
     def _tear_down_failed(self, failed_idle: list[int]) -> None:
         self.torn_down = True
-        done = self.cluster.teardown_process_group(failed_idle, timeout=self.config.teardown_grace)
+        grace = self.config.faults.teardown_grace
+        done = self.cluster.teardown_process_group(failed_idle, timeout=grace)
         if done:
             self.run.result.actions.append(
                 f"tore down the process group on rank(s) {format_ranks(done)} so that rank(s) "
@@ -155,7 +157,7 @@ class FaultPolicy:
             classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
             # the allocator's "std::bad_alloc" line comes before faulthandler's dump of every
             # thread, which in an engine forked from the fork server ran past 80 lines
-            name_out_of_memory(result, self.config.memory_limit,
+            name_out_of_memory(result, self.config.start.memory_limit,
                                lambda rank: cluster.engine_log_tail(rank, 400))
             self._name_collective_deaths(reports)
         if cluster.controller_lost:
@@ -173,7 +175,7 @@ class FaultPolicy:
             return
         aborted = any("SIGABRT" in result.errors[r].evalue
                       or CXX_EXCEPTION in result.errors[r].traceback for r in dead)
-        if aborted and not self.config.check_collectives:
+        if aborted and not self.config.faults.check_collectives:
             lines.append(CHECK_HINT)
         for rank in dead:
             result.errors[rank].traceback = "\n".join([*lines, result.errors[rank].traceback])

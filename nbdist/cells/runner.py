@@ -41,7 +41,7 @@ def run_cell(
     targets = cluster.targets(ranks)
     check_syntax(code)
     if timeout is None:
-        timeout = cluster.config.cell_timeout
+        timeout = cluster.config.faults.cell_timeout
     if timeout is not None and timeout <= 0:
         raise NbdistError(f"--timeout {timeout}: must be a positive number of seconds")
     return CellRun(cluster, code, targets, timeout, sink or NullSink()).execute()
@@ -67,7 +67,7 @@ class CellRun:
         self.finished_at: dict[int, float] = {}
         self.started = time.perf_counter()
         # first liveness check one interval in: a short cell then costs no /proc reads (~2 ms)
-        self._next_dead_check = self.started + self.config.dead_check_interval
+        self._next_dead_check = self.started + self.config.internal.dead_check_interval
         self.policy = FaultPolicy(self)
         self.channel = cluster.channel()
         self.breakpoints = BreakpointPrompts(self.channel, cluster.ranks, sink)
@@ -121,7 +121,7 @@ class CellRun:
                 self.result.timed_out = True
                 self.policy.on_deadline()
                 return
-            wait = self.config.poll_interval * 5
+            wait = self.config.internal.poll_interval * 5
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - now))
             self.pump(wait)
@@ -141,7 +141,7 @@ class CellRun:
                 self._handle(message.rank, *event)
         now = time.perf_counter()
         if now >= self._next_dead_check:
-            self._next_dead_check = now + self.config.dead_check_interval
+            self._next_dead_check = now + self.config.internal.dead_check_interval
             for rank, detail in self.cluster.poll_dead().items():
                 if rank in self.pending:
                     self.pending.discard(rank)
@@ -156,7 +156,7 @@ class CellRun:
             remaining = end - time.perf_counter()
             if remaining <= 0:
                 return False
-            self.pump(min(remaining, self.config.poll_interval * 5))
+            self.pump(min(remaining, self.config.internal.poll_interval * 5))
         return True
 
     def _handle(self, rank: int, kind: str, content: Any) -> None:
@@ -181,7 +181,7 @@ class CellRun:
     def _emit_stream(self, rank: int, name: str, text: str) -> None:
         key = (rank, name)
         shown = self.streamed.get(key, 0)
-        limit = self.config.max_output_chars
+        limit = self.config.output.max_output_chars
         self.streamed[key] = shown + len(text)
         if key in self.truncated:
             return
@@ -200,12 +200,12 @@ class CellRun:
     def _emit_tail(self, rank: int, name: str, full: str) -> None:
         """After a truncated stream, its last lines: where a flood ends is what matters (the
         final loss, the error message), and the head alone would hide it."""
-        tail = full[-self.config.output_tail_chars:]
+        tail = full[-self.config.output.output_tail_chars:]
         if len(tail) < len(full) and "\n" in tail[:-1]:
             tail = tail[tail.index("\n") + 1:]  # start on a whole line
-        omitted = len(full) - self.config.max_output_chars - len(tail)
+        omitted = len(full) - self.config.output.max_output_chars - len(tail)
         if omitted <= 0:
-            tail = full[self.config.max_output_chars:]
+            tail = full[self.config.output.max_output_chars:]
         self.sink.on_status(f"nbdist: rank {rank} {name}: {max(omitted, 0):,} characters left out; "
                             f"its last {len(tail):,}:")
         self.sink.on_stream(rank, name, tail)

@@ -75,7 +75,7 @@ def cell_reports(cluster: ClusterCore, ranks: list[int]) -> dict[int, dict[str, 
             asyncs[rank] = cluster.view(rank).apply_async(bootstrap.cell_report)
         except NbdistError:
             continue
-    return gather(asyncs, cluster.config.cell_report_timeout).results
+    return gather(asyncs, cluster.config.faults.cell_report_timeout).results
 
 
 def desynchronised(reports: dict[int, dict[str, Any]]) -> str:

@@ -5,17 +5,12 @@ names the argument and says what would fit, never a TypeError from deeper down.
 
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from nbdist.config import NbdistConfig
+from nbdist.config import NbdistConfig, check_seconds, check_whole
 from nbdist.errors import NbdistError
-
-
-def _is_whole(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_cluster_arguments(*, n: Any, gpus_per_rank: Any, threads: Any, config: Any,
@@ -31,12 +26,11 @@ def check_cluster_arguments(*, n: Any, gpus_per_rank: Any, threads: Any, config:
 
 def check_counts(n: Any, gpus_per_rank: Any, threads: Any) -> None:
     """A rank count (or None: one per GPU), GPUs per rank (0 or more), threads (or None)."""
-    if n is not None and (not _is_whole(n) or n < 1):
-        raise NbdistError(f"-n {n!r}: the number of ranks must be a positive whole number")
-    if not _is_whole(gpus_per_rank) or gpus_per_rank < 0:
-        raise NbdistError(f"--gpus-per-rank {gpus_per_rank!r}: must be a whole number, 0 or more")
-    if threads is not None and (not _is_whole(threads) or threads < 1):
-        raise NbdistError(f"--threads {threads!r}: must be a whole number, 1 or more")
+    if n is not None:
+        check_whole(n, "-n", minimum=1)
+    check_whole(gpus_per_rank, "--gpus-per-rank", minimum=0)
+    if threads is not None:
+        check_whole(threads, "--threads", minimum=1)
 
 
 def check_cluster_options(*, config: Any, master_addr: Any, launcher: Any,
@@ -63,16 +57,9 @@ def check_cluster_options(*, config: Any, master_addr: Any, launcher: Any,
     return dict(launcher_options)
 
 
-def check_seconds(value: Any, name: str = "--timeout") -> float | None:
-    """None, or a finite number of seconds above 0."""
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise NbdistError(f"{name} {value!r}: must be a positive number of seconds")
-    if not math.isfinite(value) or value <= 0:
-        raise NbdistError(f"{name} {value}: must be a positive number of seconds, finite "
-                          "(leave it out for no deadline)")
-    return float(value)
+def check_timeout(value: Any) -> float | None:
+    """None (no deadline), or a finite number of seconds above 0."""
+    return None if value is None else check_seconds(value, "--timeout")
 
 
 def check_rank_selection(selection: Any) -> list[int] | None:
@@ -83,7 +70,7 @@ def check_rank_selection(selection: Any) -> list[int] | None:
         raise NbdistError(f"ranks={selection!r}: give a list of rank numbers, e.g. [0, 2] "
                           "(in a magic: --ranks 0,2-3)")
     ranks = list(selection)
-    not_whole = [r for r in ranks if not _is_whole(r)]
+    not_whole = [r for r in ranks if isinstance(r, bool) or not isinstance(r, int)]
     if not_whole:
         raise NbdistError(f"ranks={selection!r}: {not_whole!r} are not rank numbers")
     if not ranks:

@@ -13,7 +13,7 @@ from typing import Any
 
 from nbdist.cluster.remote import gather
 from nbdist.config import NbdistConfig
-from nbdist.errors import ClusterStartError, NbdistError
+from nbdist.errors import ClusterStartError
 from nbdist.worker import bootstrap
 
 
@@ -30,19 +30,6 @@ def attach_target(profile: str | None, cluster_id: str, profile_dir: str | None,
     return target
 
 
-def profile_target(profile: str | None, launcher: str, launcher_options: dict[str, Any]) -> dict[str, Any] | None:
-    """`Cluster(profile=...)`: attach to that profile's engines (it starts nothing itself)."""
-    if profile is None:
-        return None
-    if launcher != "local" or launcher_options:
-        raise NbdistError(
-            f"profile={profile!r} attaches to engines already running in that profile; "
-            "it does not combine with launcher= or launcher_options= (start the engines "
-            "with ipcluster, then attach)"
-        )
-    return {"profile": profile}
-
-
 def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
                    say: Callable[[str], None]) -> tuple[Any, list[int]]:
     """A client of the cluster `target` names, and the ids of the engines to use (n, or all)."""
@@ -56,7 +43,7 @@ def attach_engines(target: dict[str, Any], n: int | None, config: NbdistConfig,
         except ClusterStartError:
             ids = wait_for_registered(client, None, config)
             say(f"only {len(ids)} of the {started} engine(s) the cluster file lists registered "
-                f"within {config.engine_start_timeout:.0f} s; using those")
+                f"within {config.start.engine_start_timeout:.0f} s; using those")
     say(f"attached to {len(ids)} engine(s) of an existing cluster ({target})")
     return client, ids
 
@@ -97,7 +84,7 @@ def wait_for_registered(client: Any, n: int | None, config: NbdistConfig,
                         exclude: Iterable[int] = ()) -> list[int]:
     """Engines of an attached cluster: n of them (all there are when n is None)."""
     skip = set(exclude)
-    deadline = time.monotonic() + config.engine_start_timeout
+    deadline = time.monotonic() + config.start.engine_start_timeout
     while True:
         ids = sorted(set(client.ids) - skip)
         if ids and (n is None or len(ids) >= n):
@@ -105,9 +92,9 @@ def wait_for_registered(client: Any, n: int | None, config: NbdistConfig,
         if time.monotonic() > deadline:
             raise ClusterStartError(
                 f"{len(ids)} engine(s) registered with the attached cluster within "
-                f"{config.engine_start_timeout:.0f} s; {n or 'at least one'} needed"
+                f"{config.start.engine_start_timeout:.0f} s; {n or 'at least one'} needed"
             )
-        time.sleep(config.startup_poll_interval)
+        time.sleep(config.internal.startup_poll_interval)
 
 
 def leave_engines(client: Any, engine_ids: list[int], timeout: float) -> None:
@@ -115,24 +102,3 @@ def leave_engines(client: Any, engine_ids: list[int], timeout: float) -> None:
     stay (best effort)."""
     registered = [eid for eid in engine_ids if eid in client.ids]
     gather({eid: client[eid].apply_async(bootstrap.shutdown_rank) for eid in registered}, timeout)
-
-
-def restart_attached(cluster: Any, n: int, say: Callable[[str], None]) -> None:
-    """An attached cluster's restart: nbdist does not own its engines, so it waits for n of them
-    (the living ones and any the user started) and sets them up as ranks again."""
-    client, config = cluster._client, cluster.config
-    alive = [p for p in cluster.ranks if p.state == "alive" and p.spec.engine_id in client.ids]
-    cluster.teardown_process_group([p.spec.rank for p in alive], timeout=config.rebuild_timeout)
-    dead_ids = [p.spec.engine_id for p in cluster.ranks if p not in alive]
-    say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
-    ids = wait_for_registered(client, n, config, exclude=dead_ids)
-    cluster._bootstrap(say, engine_ids=ids)
-
-
-def attach_cluster(cluster: Any, say: Callable[[str], None], target: dict[str, Any]) -> list[int]:
-    """Connect `cluster` (a ClusterCore: not imported, it imports this module) to the engines
-    of the running cluster `target`; their ids."""
-    cluster._attached = True
-    cluster._client, ids = attach_engines(target, cluster.requested_n, cluster.config, say)
-    cluster._liveness.watch_unregistrations(cluster._client)
-    return ids

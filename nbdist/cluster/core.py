@@ -10,17 +10,15 @@ from __future__ import annotations
 import atexit
 import time
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
-from nbdist.cluster import attach as attaching
-from nbdist.cluster import rank_calls, rank_setup, watchdog
+from nbdist.cluster import rank_calls, rank_setup
 from nbdist.cluster.arguments import check_cluster_arguments
 from nbdist.cluster.cell_channel import NotebookChannel, close_channel, open_channel
-from nbdist.cluster.engines import Engines, ask_remote_engines_to_exit, close_quietly
-from nbdist.cluster.launchers import build_launcher_plan, warn_unauthenticated_rendezvous
+from nbdist.cluster.launch_modes import AttachedMode, LaunchMode, Progress, launch_mode
 from nbdist.cluster.liveness import Liveness
-from nbdist.cluster.processes import OwnedProcesses, Pid, release_rank_process, signal_rank_process
+from nbdist.cluster.processes import OwnedProcesses, Pid
 from nbdist.cluster.ranks import RankProcess, check_targets, validate_backend
 from nbdist.cluster.rendezvous import Rendezvous
 from nbdist.cluster.telemetry import TelemetryHub
@@ -29,8 +27,6 @@ from nbdist.errors import ClusterNotRunningError, Interrupted, NbdistError
 from nbdist.worker.net import free_port
 
 __all__ = ["ClusterCore", "Progress", "RankProcess", "free_port"]
-
-Progress = Callable[[str], None]
 
 
 class ClusterCore:
@@ -68,37 +64,37 @@ class ClusterCore:
         self.requested_threads = threads
         self.interface = interface
         self.launcher = launcher
-        self._attach_target = attaching.profile_target(profile, launcher, self.launcher_options)
-        # validate launcher and options now (pure: starts nothing)
-        self._plan = build_launcher_plan(launcher, self.launcher_options, n=n, interface=interface)
-        self._attached = False
         self.telemetry = TelemetryHub()
         self.backend = ""
         self.generation = -1
         self.ranks: list[RankProcess] = []
         self.start_seconds = 0.0
         self.controller_lost = False
-        self._client: Any = None
-        self._config = config or DEFAULT
-        self._processes = OwnedProcesses(self._config)
-        self._liveness = Liveness(self._config, self, self._processes)
-        self._engines = Engines(self._config, self._processes, self._liveness.record_exit)
-        self._liveness.job_ended = self._engines.job_ended  # Slurm: a cancelled job's ranks are dead
-        self._rendezvous = Rendezvous(master_addr, interface)
+        self._processes = OwnedProcesses(config or DEFAULT)
+        self._liveness = Liveness(self, self._processes)
+        # validates the launcher and its options now (starts nothing)
+        self.launch_mode: LaunchMode = launch_mode(
+            self._processes, self._liveness.record_exit, launcher=launcher,
+            options=self.launcher_options, interface=interface, profile=profile)
+        self.rendezvous = Rendezvous(master_addr, interface)
         self.cell_channel: NotebookChannel | None = None  # cells to every rank
 
     # ------------------------------------------------------------------ state
     @property
     def config(self) -> NbdistConfig:
-        return self._config
+        return self._processes.config
 
     @config.setter
     def config(self, config: NbdistConfig) -> None:
-        self._config = self._processes.config = self._liveness.config = self._engines.config = config
+        self._processes.config = config  # its engines, liveness and launch mode read it there
 
     @property
     def running(self) -> bool:
         return self._client is not None
+
+    @property
+    def _client(self) -> Any:
+        return self.launch_mode.client
 
     @property
     def world_size(self) -> int:
@@ -115,14 +111,14 @@ class ClusterCore:
 
     @property
     def master_addr(self) -> str:
-        return self._rendezvous.master_addr
+        return self.rendezvous.master_addr
 
     @property
     def _controller_pid(self) -> Pid | None:
         return self._processes.controller
 
     def _launchers(self) -> list[Any]:
-        return self._engines.launchers()
+        return self.launch_mode.engines.launchers()
 
     def channel(self) -> NotebookChannel:
         """The cell channel to every rank (made at each setup)."""
@@ -165,81 +161,59 @@ class ClusterCore:
         return check_targets(self.ranks, ranks)
 
     # ------------------------------------------------------------------ start
+    def attach_to(self, target: dict[str, Any]) -> None:
+        """Use the engines of the running ipyparallel cluster `target` names (ipyparallel.Client's
+        arguments) instead of starting any (`Cluster.attach`)."""
+        self.launch_mode = AttachedMode(self._processes, self._liveness.record_exit, target)
+
     def start(self, progress: Progress | None = None) -> ClusterCore:
         """Start controller and engines, give them ranks and a process group; return when a real
         all_reduce has succeeded on every rank. On failure nothing is left running."""
         if self.running:
             return self
-        say = self._engines.progress = progress or (lambda _msg: None)
         started = time.perf_counter()
-        workdir = self._processes.create_workdir()
+        self._processes.create_workdir()
         try:
-            if self._attach_target is not None:
-                self._bootstrap(say, engine_ids=attaching.attach_cluster(self, say, self._attach_target))
-            else:
-                n = rank_setup.rank_count(self.requested_n, self._plan)
-                say(f"starting controller and {n} engine(s) ({self.launcher}) in {workdir}")
-                self._start_processes(n)
-                self._bootstrap(say)
+            say = progress or (lambda _msg: None)
+            engine_ids = self.launch_mode.start(self.requested_n, say)
+            self._liveness.watch_unregistrations(self._client)
+            self._bootstrap(say, engine_ids)
         except BaseException as exc:
             self._teardown_processes()
             if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
-                raise Interrupted("the start was interrupted: everything it had started is stopped") from None
+                raise Interrupted("the start was interrupted: everything it had started is "
+                                  "stopped") from None
             raise
         self.start_seconds = time.perf_counter() - started
         atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
-    def _start_processes(self, n: int) -> None:
-        # the launcher plan (nbdist.cluster.launchers) says how ipyparallel starts engines and where the
-        # controller listens: 127.0.0.1 for a local cluster, off loopback only across hosts
-        self._plan = build_launcher_plan(self.launcher, self.launcher_options, n=n,
-                                         interface=self.interface)
-        if self._plan.spans_hosts:
-            warn_unauthenticated_rendezvous()
-        self._client = self._engines.start(self._plan, n, early_engines=self.launcher == "local")
-        self._liveness.watch_unregistrations(self._client)
-
-    def _bootstrap(self, say: Progress, engine_ids: list[int] | None = None) -> None:
+    def _bootstrap(self, say: Progress, ids: list[int]) -> None:
         client = self._client
-        ids = engine_ids if engine_ids is not None else sorted(client.ids)
         say(f"{len(ids)} engine(s) registered; setting up ranks")
-        timeout = self.config.bootstrap_timeout
+        timeout = self.config.start.bootstrap_timeout
         host_order = [p.spec.host for p in self.ranks] if self.ranks else None
         specs, probes = rank_setup.probe_and_plan(client, ids, self.requested_backend,
                                                   self.gpus_per_rank, host_order, timeout)
         self.backend = specs[0].backend
         self.generation += 1
-        self._rendezvous.choose(self._plan.spans_hosts, specs, probes)
+        self.rendezvous.choose(self.launch_mode.spans_hosts, specs, probes)
         self.cell_channel = open_channel(self.cell_channel, client,
-                                         self._rendezvous.notebook_host(client, probes),
-                                         curve=self._plan.curve or self._rendezvous.spans_hosts)
-        port = self._rendezvous.port(client, specs[0].engine_id, timeout)
+                                         self.rendezvous.notebook_host(client, probes),
+                                         curve=self.launch_mode.curve or self.rendezvous.spans_hosts)
+        port = self.rendezvous.port(client, specs[0].engine_id, timeout)
         self.ranks = rank_setup.setup_ranks(
-            client, specs, probes, port=port, generation=self.generation, rendezvous=self._rendezvous,
-            config=self.config, workdir=self.workdir, requested_threads=self.requested_threads,
-            channel=self.cell_channel)
+            client, specs, probes, port=port, generation=self.generation,
+            rendezvous=self.rendezvous, config=self.config, workdir=self.workdir,
+            requested_threads=self.requested_threads, channel=self.cell_channel)
         for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
             say(f"nbdist: {note}")
-        self._write_pidfile()
+        self.launch_mode.write_pidfile(self.ranks)
         rank_setup.freeze_collectors(client, ids, timeout)
-
-    # ------------------------------------------------------------------ owned processes
-    def _owned_pids(self) -> list[Pid]:
-        if self._attached:
-            return []  # attached engines belong to the user: nbdist never kills them
-        return self._engines.owned_pids(self._helper_pids())
-
-    def _helper_pids(self) -> list[Pid]:
-        """Processes the local ranks started (DataLoader workers...), as probed at bootstrap."""
-        return [pid for rank in self.ranks if rank.local for pid in rank.helper_pids]
-
-    def _write_pidfile(self) -> None:
-        self._processes.write_pidfile(self._owned_pids())
 
     def all_pids(self) -> list[int]:
         """Every process this cluster started (controller, engines, nannies, watchdog)."""
-        pids = [pid for pid, _ct in self._owned_pids()]
+        pids = [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]
         if self._processes.watchdog is not None:
             pids.append(self._processes.watchdog.pid)
         return pids
@@ -251,15 +225,19 @@ class ClusterCore:
 
     def engine_log_tail(self, rank: int, lines: int) -> str:
         """The last lines an engine wrote to its own log (crash messages land there)."""
-        return self._engines.log_tail(self.ranks[rank].pid, lines)
+        return self.launch_mode.engines.log_tail(self.ranks[rank].pid, lines)
 
     def release_rank(self, rank: int) -> bool:
         """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);
         False if its engine was not started by nbdist and has no such signal."""
-        return release_rank_process(self.ranks[rank], self._client)
+        proc = self.ranks[rank]
+        if proc.release_signal is None or proc.state != "alive":
+            return False
+        self.launch_mode.signal(proc, proc.release_signal)
+        return True
 
     def signal_rank(self, rank: int, sig: int) -> None:
-        signal_rank_process(self.ranks[rank], sig, self._client)
+        self.launch_mode.signal(self.ranks[rank], sig)
 
     # ------------------------------------------------------------------ calls on ranks
     def teardown_process_group(self, ranks: Iterable[int], timeout: float) -> list[int]:
@@ -284,42 +262,41 @@ class ClusterCore:
             )
         started = time.perf_counter()
         self.generation += 1
-        port = self._rendezvous.port(self._client, self.ranks[0].spec.engine_id,
-                                     self.config.bootstrap_timeout)
+        port = self.rendezvous.port(self._client, self.ranks[0].spec.engine_id,
+                                     self.config.start.bootstrap_timeout)
         rank_calls.rebuild_process_groups(
             {p.spec.engine_id: self._client[p.spec.engine_id] for p in self.ranks},
             port=port, generation=self.generation, master_addr=self.master_addr,
-            store_path=self._rendezvous.store_path(self.workdir, self.generation),
-            timeout=self.config.rebuild_timeout)
+            store_path=self.rendezvous.store_path(self.workdir, self.generation),
+            timeout=self.config.start.rebuild_timeout)
         return time.perf_counter() - started
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
-        rank_calls.push(self.channel(), targets, values, self.config.bootstrap_timeout)
+        rank_calls.push(self.channel(), targets, values, self.config.start.bootstrap_timeout)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
-        return rank_calls.pull(self.channel(), targets, name, self.config.bootstrap_timeout)
+        return rank_calls.pull(self.channel(), targets, name, self.config.start.bootstrap_timeout)
 
     # ------------------------------------------------------------------ restart / stop
     def restart(self, progress: Progress | None = None) -> ClusterCore:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a
         lost controller."""
-        say = self._engines.progress = progress or (lambda _msg: None)
-        n = self.world_size or rank_setup.rank_count(self.requested_n, self._plan)
+        say = progress or (lambda _msg: None)
+        mode = self.launch_mode
+        n = self.world_size or mode.rank_count(self.requested_n)
         started = time.perf_counter()
-        if self._attached:
-            attaching.restart_attached(self, n, say)
-        elif self.controller_lost or self._client is None or not self._processes.controller_alive():
+        if not mode.can_restart_in_place(self.controller_lost):
             self._teardown_processes()
             self.ranks = []
             self.controller_lost = False
             self.start(progress)
         else:
             try:
-                self._replace_engines(n, say)
+                self._bootstrap(say, mode.restart_engines(n, self.ranks, say))
             except KeyboardInterrupt:
                 raise self._abandon_restart() from None
         for proc in self.ranks:
@@ -327,20 +304,11 @@ class ClusterCore:
         self.start_seconds = time.perf_counter() - started
         return self
 
-    def _replace_engines(self, n: int, say: Progress) -> None:
-        old_ids = set(self._client.ids)
-        self._stop_engines()
-        old_ids.update(self._client.ids)  # any that registered while being stopped
-        say(f"starting {n} new engine(s)")
-        self._engines.start_engines(n)
-        self._write_pidfile()
-        new_ids = self._engines.wait_for_registration(self._client, n, known=old_ids)
-        self._bootstrap(say, engine_ids=new_ids)
-
     def _abandon_restart(self) -> Interrupted:
         """The stop button during a restart: stop the engines started so far (half set up, they
         would hold ports and wait for peers) and leave every rank dead, for the next restart."""
-        self._stop_engines()  # ipyparallel's loop thread may still be launching the new ones
+        # ipyparallel's loop thread may still be launching the new ones
+        self.launch_mode.stop_engines(self.ranks)
         for proc in self.ranks:
             if proc.state == "alive":
                 self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")
@@ -355,32 +323,13 @@ class ClusterCore:
         return pids
 
     def _teardown_processes(self) -> None:
-        owned = self._owned_pids()
-        if self._attached and self._client is not None:
-            alive = [p.spec.engine_id for p in self.ranks if p.state == "alive"]
-            attaching.leave_engines(self._client, alive, self.config.stop_timeout)
-        elif self._engines.ipp is not None and not self._plan.engine_pids_local:
-            if not self._engines.stop_through_ipyparallel():  # ssh kill / scancel
-                self._ask_remote_engines_to_exit()
-        close_quietly(self._client)
-        self._client = None
         close_channel(self.cell_channel)
         self.cell_channel = None
-        watchdog.terminate_all(owned, grace=self.config.stop_timeout)
-        self._engines.forget()
+        self.launch_mode.stop(self.ranks)
         self._processes.stop_watchdog()
         self._processes.remove_workdir()
         for proc in self.ranks:
             self.mark_dead(proc.spec.rank, "stopped", notify=False)
-
-    def _stop_engines(self) -> None:
-        """Every engine: local ones by PID, the others through ipyparallel, else asked to exit."""
-        if not self._engines.stop_engines(self._helper_pids()):
-            self._ask_remote_engines_to_exit()
-
-    def _ask_remote_engines_to_exit(self) -> None:
-        remote = [p.spec.engine_id for p in self.ranks if not p.local and p.state == "alive"]
-        ask_remote_engines_to_exit(self._client, remote)
 
     def __enter__(self) -> ClusterCore:
         return self.start()

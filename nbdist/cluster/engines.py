@@ -6,7 +6,6 @@ PIDs only ever come from launchers whose processes run on this machine (`has_loc
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
@@ -39,8 +38,7 @@ ExitHandler = Callable[[dict[str, Any]], None]
 class Engines:
     """One ipyparallel.Cluster: controller and engine sets, and what nbdist keeps of them."""
 
-    def __init__(self, config: NbdistConfig, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
-        self.config = config
+    def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
         self.on_exit = on_exit
         self.ipp: Any = None
@@ -51,6 +49,10 @@ class Engines:
         """The engines' Slurm job, when ipyparallel's Slurm launcher submitted them."""
         self.progress: Callable[[str], None] = lambda _msg: None
         self.fork_server: ForkServerProcess | None = None  # local engines fork from it
+
+    @property
+    def config(self) -> NbdistConfig:
+        return self.processes.config
 
     def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
         """Controller, orphan watchdog and n engines; returns the connected client once the
@@ -76,11 +78,11 @@ class Engines:
         cluster_kwargs = dict(plan.cluster_kwargs)
         if early_engines:
             engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
-            _start_engines_early(plan, engine_file, self.config.engine_start_timeout)
-            if self.config.fork_server:  # it imports torch while the controller starts
+            _start_engines_early(plan, engine_file, self.config.start.engine_start_timeout)
+            if self.config.start.fork_server:  # it imports torch while the controller starts
                 with _starting("fork server"):  # e.g. an engine_python that does not exist
                     self.fork_server = start_fork_server(
-                        plan.config, self.processes.workdir, self.config.engine_start_timeout)
+                        plan.config, self.processes.workdir, self.config.start.engine_start_timeout)
                 cluster_kwargs["engine_launcher_class"] = SET_LAUNCHER
         with private_files() as user_umask, _starting("ipyparallel controller"):
             _engines_restore_umask(plan, user_umask)
@@ -93,7 +95,7 @@ class Engines:
                 config=plan.config,
                 log=_quiet_logger(),
                 shutdown_atexit=False,
-                engine_timeout=int(self.config.engine_start_timeout),
+                engine_timeout=int(self.config.start.engine_start_timeout),
                 **cluster_kwargs,
             )
             if early_engines:
@@ -114,9 +116,9 @@ class Engines:
         except CalledProcessError as exc:  # the batch system's submit command refused the job
             sets = list(self.ipp.engines.values())
             self.ipp.engines.clear()
-            raise slurm.submit_error(exc, sets, self.config.batch_command_timeout) from None
+            raise slurm.submit_error(exc, sets, self.config.batch.batch_command_timeout) from None
         batch = slurm.job_launcher(self.ipp.engines.values())
-        self.job = slurm.SlurmJob(batch, self.config) if batch is not None else None
+        self.job = slurm.SlurmJob(batch, self.config.batch) if batch is not None else None
         self.processes.cancel_commands = [self.job.cancel_command] if self.job is not None else []
         for launcher in self.launchers():
             if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
@@ -130,7 +132,7 @@ class Engines:
         """Copy the controller's engine connection file, once complete, to where the early
         engines look for it; written atomically, so no engine ever reads half a file."""
         source = self.ipp.controller.connection_files["engine"]
-        deadline = time.monotonic() + self.config.engine_start_timeout
+        deadline = time.monotonic() + self.config.start.engine_start_timeout
         while True:
             try:
                 with open(source) as f:
@@ -145,9 +147,10 @@ class Engines:
                 if time.monotonic() > deadline:
                     raise ClusterStartError(
                         f"the controller wrote no connection file within "
-                        f"{self.config.engine_start_timeout:.0f} s (NbdistConfig.engine_start_timeout)"
+                        f"{self.config.start.engine_start_timeout:.0f} s "
+                        "(NbdistConfig.engine_start_timeout)"
                     ) from None
-                time.sleep(self.config.startup_poll_interval)
+                time.sleep(self.config.internal.startup_poll_interval)
         tmp = f"{target}.tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             f.write(text)
@@ -156,7 +159,7 @@ class Engines:
     def wait_for_registration(self, client: Any, n: int, known: Iterable[int] = ()) -> list[int]:
         """Wait for n new engines to register; fail fast if engine processes exit meanwhile."""
         known_ids = set(known)
-        deadline = time.monotonic() + self.config.engine_start_timeout
+        deadline = time.monotonic() + self.config.start.engine_start_timeout
         queued_since = time.monotonic()
         while True:
             new_ids = sorted(set(client.ids) - known_ids)
@@ -169,8 +172,9 @@ class Engines:
                 continue
             if self.job is not None and self.job.while_starting(self.progress):
                 # the start-up deadline runs from when the job runs; the queue has its own
-                deadline = time.monotonic() + self.config.engine_start_timeout
-                slurm.check_queue_wait(self.job, queued_since, self.config.batch_queue_timeout)
+                deadline = time.monotonic() + self.config.start.engine_start_timeout
+                queue_limit = self.config.batch.batch_queue_timeout
+                slurm.check_queue_wait(self.job, queued_since, queue_limit)
             exited = [la for la in self.launchers() if la.state == "after"]
             if exited:
                 raise ClusterStartError(
@@ -184,10 +188,10 @@ class Engines:
             if time.monotonic() > deadline:
                 raise ClusterStartError(
                     f"only {len(new_ids)} of {n} engines registered within "
-                    f"{self.config.engine_start_timeout:.0f} s "
+                    f"{self.config.start.engine_start_timeout:.0f} s "
                     f"(NbdistConfig.engine_start_timeout).\n" + _log_tails(self.launchers())
                 )
-            time.sleep(self.config.startup_poll_interval)
+            time.sleep(self.config.internal.startup_poll_interval)
 
     def _strangers(self, client: Any, engine_ids: list[int]) -> list[int]:
         launchers = self.launchers()
@@ -233,7 +237,7 @@ class Engines:
     def stop_engines(self, helpers: list[Pid]) -> bool:
         """Stop every engine (local ones and these helpers by PID first) and forget them, for
         new ones; False if ipyparallel could not stop the others (ask those to exit)."""
-        watchdog.terminate_all(self.local_pids() + helpers, grace=self.config.stop_timeout)
+        watchdog.terminate_all(self.local_pids() + helpers, grace=self.config.start.stop_timeout)
         stopped = self.stop_through_ipyparallel()
         self.ipp.engines.clear()
         return stopped
@@ -248,7 +252,8 @@ class Engines:
         except Exception:
             stopped = False
         if job is not None:  # scancel returns at once: wait until no step or engine is left
-            return job.cancel(self.config.stop_timeout + self.config.batch_command_timeout)
+            config = self.config
+            return job.cancel(config.start.stop_timeout + config.batch.batch_command_timeout)
         return stopped
 
     def job_ended(self, fresh: bool = False) -> str | None:
@@ -265,7 +270,7 @@ class Engines:
         deadline = time.monotonic() + 1.0  # an exit still being reported rewrites the cluster
         for launcher in self._launchers_by_pid.values():  # file: after the workdir went, it stayed
             launcher._wait_thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        _end_loop_thread(self.ipp, self.config.stop_timeout)
+        _end_loop_thread(self.ipp, self.config.start.stop_timeout)
         self.ipp = None
         if self.fork_server is not None:
             self.fork_server.reap()
@@ -284,13 +289,6 @@ def _end_loop_thread(ipp: Any, timeout: float) -> None:
     thread.join(timeout=timeout)
     if not thread.is_alive():
         loop.close(all_fds=False)
-
-
-def close_quietly(client: Any) -> None:
-    """Close an ipyparallel client, if any, whatever state its controller is in."""
-    if client is not None:
-        with contextlib.suppress(Exception):
-            client.close()
 
 
 def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:

@@ -9,14 +9,16 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from nbdist.cluster import watchdog
 from nbdist.cluster.processes import OwnedProcesses
 from nbdist.cluster.ranks import RankProcess
 from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.config import NbdistConfig
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbdist.cluster.launch_modes import LaunchMode
 
 
 class RankHolder(Protocol):
@@ -25,6 +27,7 @@ class RankHolder(Protocol):
     ranks: list[RankProcess]
     telemetry: TelemetryHub
     controller_lost: bool
+    launch_mode: LaunchMode
 
     def is_registered(self, engine_id: int) -> bool: ...
 
@@ -36,15 +39,16 @@ class RankHolder(Protocol):
 class Liveness:
     """Exit statuses and lost engines as they are learnt (any thread), reported by poll_dead."""
 
-    def __init__(self, config: NbdistConfig, cluster: RankHolder, processes: OwnedProcesses) -> None:
-        self.config = config
+    def __init__(self, cluster: RankHolder, processes: OwnedProcesses) -> None:
         self.cluster = cluster
         self.processes = processes
         self._lock = threading.Lock()
         self._exit_codes: dict[int, Any] = {}
         self._lost_ranks: list[int] = []
-        self.job_ended: Callable[[bool], str | None] = lambda _fresh: None
-        """How the engines' batch job ended, if it has (fresh=True: ask the scheduler now)."""
+
+    @property
+    def config(self) -> NbdistConfig:
+        return self.processes.config
 
     def record_exit(self, stop_data: dict[str, Any]) -> None:
         """A launcher's on_stop callback (runs on its wait thread)."""
@@ -74,7 +78,8 @@ class Liveness:
         see it), and queued so that poll_dead, on the notebook's thread, tells the listeners."""
         with self._lock:
             for proc in self.cluster.ranks:
-                if proc.spec.engine_id == engine_id and proc.state == "alive" and not proc.local:
+                here = self.cluster.launch_mode.pid_is_here(proc)
+                if proc.spec.engine_id == engine_id and proc.state == "alive" and not here:
                     self.cluster.mark_dead(proc.spec.rank, _lost_detail(proc), notify=False)
                     self._lost_ranks.append(proc.spec.rank)
 
@@ -87,14 +92,15 @@ class Liveness:
         for rank in lost:
             newly_dead[rank] = detail = self.cluster.ranks[rank].exit_detail
             self.cluster.telemetry.rank_state(rank, "dead", detail)
-        job_end = self.job_ended(False)
+        job_end = self.cluster.launch_mode.engines.job_ended(False)
         for proc in self.cluster.ranks:
             if proc.state == "dead":
                 continue
-            detail = job_end or (self._remote_loss(proc) if not proc.local else self._local_exit(proc))
+            here = self.cluster.launch_mode.pid_is_here(proc)
+            detail = job_end or (self._local_exit(proc) if here else self._remote_loss(proc))
             if detail is not None and job_end is None:
                 # a batch job ended (scancel, time limit) is the cause, not the engine's exit
-                job_end = self.job_ended(True)
+                job_end = self.cluster.launch_mode.engines.job_ended(True)
                 detail = job_end or detail
             if detail is not None:
                 self.cluster.mark_dead(proc.spec.rank, detail)
@@ -126,12 +132,12 @@ class Liveness:
 
     def _wait_exit_code(self, pid: int) -> Any:
         """The launcher's wait thread reaps the engine and records its status a moment later."""
-        deadline = time.monotonic() + self.config.exit_status_timeout
+        deadline = time.monotonic() + self.config.internal.exit_status_timeout
         while time.monotonic() < deadline:
             with self._lock:
                 if pid in self._exit_codes:
                     return self._exit_codes[pid]
-            time.sleep(self.config.exit_status_poll_interval)
+            time.sleep(self.config.internal.exit_status_poll_interval)
         return "unknown"
 
 

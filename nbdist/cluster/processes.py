@@ -14,12 +14,10 @@ import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
 
 import psutil
 
 from nbdist.cluster import watchdog
-from nbdist.cluster.ranks import RankProcess
 from nbdist.config import NbdistConfig
 
 Pid = tuple[int, float]
@@ -76,8 +74,8 @@ class OwnedProcesses:
         self.watchdog = subprocess.Popen(
             [sys.executable, "-m", "nbdist.cluster.watchdog", "--parent", str(me.pid),
              "--parent-create-time", repr(me.create_time()), "--pidfile", self.pidfile,
-             "--workdir", self.workdir, "--interval", str(self.config.watchdog_interval),
-             "--grace", str(self.config.orphan_kill_grace)],
+             "--workdir", self.workdir, "--interval", str(self.config.internal.watchdog_interval),
+             "--grace", str(self.config.internal.orphan_kill_grace)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
@@ -94,7 +92,7 @@ class OwnedProcesses:
         except OSError:
             pass
         try:
-            self.watchdog.wait(timeout=2 * self.config.watchdog_interval + 1)
+            self.watchdog.wait(timeout=2 * self.config.internal.watchdog_interval + 1)
         except subprocess.TimeoutExpired:
             self.watchdog.send_signal(signal.SIGKILL)
             self.watchdog.wait(timeout=2)
@@ -131,29 +129,3 @@ def process_trees(pids: Iterable[int]) -> list[Pid]:
         except psutil.NoSuchProcess:
             continue
     return found
-
-
-def signal_rank_process(proc: RankProcess, sig: int, client: Any) -> None:
-    """Deliver `sig` to a rank's engine: by PID here (if it is still that process), through the
-    controller for an engine on another machine (its nanny delivers it)."""
-    if not proc.local:
-        try:
-            client.send_signal(int(sig), targets=[proc.spec.engine_id], block=False)
-        except Exception:
-            pass
-        return
-    if watchdog.same_process(proc.pid, proc.create_time) is None:
-        return
-    try:
-        os.kill(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-
-
-def release_rank_process(proc: RankProcess, client: Any) -> bool:
-    """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);
-    False if its engine was not started by nbdist and has no such signal."""
-    if proc.release_signal is None or proc.state != "alive":
-        return False
-    signal_rank_process(proc, proc.release_signal, client)
-    return True

@@ -16,7 +16,6 @@ from typing import Any
 from nbdist import torch_support
 from nbdist.cluster.cell_channel import NotebookChannel
 from nbdist.cluster.launchers import LauncherPlan
-from nbdist.cluster.memory_limit import memory_limit_bytes
 from nbdist.cluster.ranks import (
     EngineInfo,
     RankProcess,
@@ -32,14 +31,14 @@ from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engi
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistWarning
 from nbdist.worker import bootstrap
-from nbdist.worker.cell_channel import ChannelSetup
+from nbdist.worker.setup_message import RankReady, RankSetup
 
 
-def rank_count(requested_n: int | None, plan: LauncherPlan) -> int:
+def rank_count(requested_n: int | None, plan: LauncherPlan | None) -> int:
     """-n if given, else the engines an ssh host list names, else one rank per GPU here."""
     if requested_n:
         return requested_n
-    ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines")
+    ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines") if plan else None
     if ssh_hosts:
         return int(sum(ssh_hosts.values()))
     return _default_rank_count()
@@ -107,55 +106,31 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, p
                 generation: int, rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
                 requested_threads: int | None, channel: NotebookChannel) -> list[RankProcess]:
     """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
-    cwd = os.getcwd()
     own_cores = cores_of_their_own(specs, probes)
     asyncs = {}
     for spec in specs:
-        options = setup_options(
-            spec, probes[spec.engine_id], port=port, generation=generation, rendezvous=rendezvous,
-            config=config, workdir=workdir, requested_threads=requested_threads, cwd=cwd,
-            channel=channel.setup_for(rendezvous.channel_host(probes[spec.engine_id])),
-            own_cores=own_cores[spec.host],
-        )
-        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
-            bootstrap.setup_rank, spec_dict(spec), options)
-    results = collect(asyncs, config.bootstrap_timeout, "setting up ranks and the process group")
+        probe = probes[spec.engine_id]
+        threads = requested_threads or default_threads(probe["cpu_count"] or 1,
+                                                       spec.local_world_size, own_cores[spec.host])
+        setup = rank_setup_message(spec, probe, port=port, generation=generation,
+                                   rendezvous=rendezvous, config=config, workdir=workdir,
+                                   threads=threads, channel=channel)
+        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
+    results = collect(asyncs, config.start.bootstrap_timeout,
+                      "setting up ranks and the process group")
     return rank_processes(specs, probes, results)
 
 
-def setup_options(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
-                  rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                  requested_threads: int | None, cwd: str, channel: ChannelSetup,
-                  own_cores: bool = False) -> dict[str, Any]:
-    """What one rank's setup_rank call gets besides its spec."""
-    threads = requested_threads or default_threads(probe["cpu_count"] or 1,
-                                                   spec.local_world_size, own_cores)
-    master_addr = rendezvous.master_addr
-    return {
-        "env": spec.env(master_addr, port),
-        "threads": threads,
-        "cwd": cwd,
-        "master_addr": master_addr,
-        "port": port,
-        "pg_timeout": (config.nccl_process_group_timeout if spec.backend == "nccl"
-                       else config.process_group_timeout),
-        "generation": generation,
-        "telemetry_interval": config.telemetry_interval,
-        "collective_report_interval": config.collective_report_interval,
-        "flight_recorder_entries": config.flight_recorder_entries,
-        "check_collectives": config.check_collectives,
-        "cell_end_collective_wait": config.cell_end_collective_wait,
-        "telemetry_log_spacing": config.telemetry_log_spacing,
-        "telemetry_start_delay": config.telemetry_start_delay,
-        "socket_ifname": "lo" if master_addr.startswith("127.") else None,
-        "interface_env": rendezvous.interface_env(probe),
-        "store_path": rendezvous.store_path(workdir, generation),
-        # the cluster's private directory, for a rank on this machine only: the flight
-        # recorder's dump goes there
-        "private_dir": workdir if is_local_engine(probe) else None,
-        "memory_limit": memory_limit_bytes(config.memory_limit),
-        "channel": channel,  # cells, their output, pdb answers, widget messages
-    }
+def rank_setup_message(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
+                       rendezvous: Rendezvous, config: NbdistConfig, workdir: str, threads: int,
+                       channel: NotebookChannel) -> RankSetup:
+    """What one rank's setup_rank call is told."""
+    return RankSetup(
+        spec=spec, master_addr=rendezvous.master_addr, port=port, generation=generation,
+        store_path=rendezvous.store_path(workdir, generation), threads=threads,
+        cwd=os.getcwd(), interface=rendezvous.rank_interface(probe),
+        private_dir=workdir if is_local_engine(probe) else None,
+        channel=channel.setup_for(rendezvous.channel_host(probe)), config=config)
 
 
 def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[str, bool]:
@@ -168,30 +143,21 @@ def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[st
     return {host: len(sets) > 1 and all(sets) and disjoint(sets) for host, sets in by_host.items()}
 
 
-def spec_dict(spec: RankSpec) -> dict[str, Any]:
-    """A RankSpec as plain data for the engine (which need not import nbdist.cluster)."""
-    return {
-        "rank": spec.rank, "local_rank": spec.local_rank, "world_size": spec.world_size,
-        "local_world_size": spec.local_world_size, "host": spec.host,
-        "engine_id": spec.engine_id, "backend": spec.backend, "gpus": list(spec.gpus),
-    }
-
-
 def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
-                   results: dict[int, Any]) -> list[RankProcess]:
+                   results: dict[int, RankReady]) -> list[RankProcess]:
     return [
         RankProcess(
             spec=spec,
             pid=probes[spec.engine_id]["pid"],
             create_time=probes[spec.engine_id]["create_time"],
-            device=results[spec.engine_id]["device"],
-            threads=results[spec.engine_id]["threads"],
+            device=results[spec.engine_id].device,
+            threads=results[spec.engine_id].threads,
             helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
             local=is_local_engine(probes[spec.engine_id]),
             release_signal=probes[spec.engine_id].get("release_signal"),
             report_signal=probes[spec.engine_id].get("report_signal"),
-            endpoint=results[spec.engine_id].get("channel"),
-            notes=list(results[spec.engine_id].get("notes") or []),
+            endpoint=results[spec.engine_id].endpoint,
+            notes=list(results[spec.engine_id].notes),
         )
         for spec in specs
     ]

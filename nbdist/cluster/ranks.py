@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from nbdist.cluster.arguments import check_rank_selection
 from nbdist.errors import NbdistError
 from nbdist.worker.cell_channel import ChannelEndpoint
+from nbdist.worker.setup_message import RankSpec
 
 BACKENDS = ("auto", "nccl", "gloo")
 """The values `backend=` (and `%dist_start --backend`) accept."""
@@ -44,37 +45,6 @@ class EngineInfo:
     local_id: int | None = None
     """Its place among the tasks on its host as the launcher numbered them (SLURM_LOCALID,
     OMPI_COMM_WORLD_LOCAL_RANK), if any."""
-
-
-@dataclass(frozen=True)
-class RankSpec:
-    """Everything one rank needs to set itself up (sent to the engine by the bootstrap)."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    host: str
-    engine_id: int
-    backend: str
-    gpus: tuple[int, ...] = field(default_factory=tuple)
-
-    @property
-    def device(self) -> str:
-        return f"cuda:{self.gpus[0]}" if self.gpus else "cpu"
-
-    def env(self, master_addr: str, master_port: int) -> dict[str, str]:
-        """The torchrun-compatible environment of this rank."""
-        env = {
-            "RANK": str(self.rank),
-            "LOCAL_RANK": str(self.local_rank),
-            "WORLD_SIZE": str(self.world_size),
-            "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "GROUP_RANK": "0",
-            "MASTER_ADDR": master_addr,
-            "MASTER_PORT": str(master_port),
-        }
-        return env
 
 
 @dataclass

@@ -44,16 +44,12 @@ class Rendezvous:
         else:
             self.master_addr = _rank0_address(probes[specs[0].engine_id], specs[0].host, self.interface)
 
-    def interface_env(self, probe: dict[str, Any]) -> dict[str, str]:
-        """GLOO/NCCL/TP_SOCKET_IFNAME for one rank: --interface, else (across hosts) the interface
-        that rank reaches the controller by; nothing extra for a local cluster."""
-        name = self.interface
-        if name is None and self.spans_hosts:
-            name = probe.get("route_interface")
-        if not name:
-            return {}
-        return {"GLOO_SOCKET_IFNAME": str(name), "NCCL_SOCKET_IFNAME": str(name),
-                "TP_SOCKET_IFNAME": str(name)}
+    def rank_interface(self, probe: dict[str, Any]) -> str | None:
+        """The interface one rank's sockets use: --interface, else (across hosts) the one that
+        rank reaches the controller by; None for a local cluster."""
+        if self.interface is not None or not self.spans_hosts:
+            return self.interface
+        return probe.get("route_interface") or None
 
     def channel_host(self, probe: dict[str, Any]) -> str:
         """Where a rank's cell channel listens: loopback on one host; across hosts the rank's

@@ -9,12 +9,11 @@ killed (out of memory, SIGKILL) while the others hold a trained model.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cluster import rank_setup
-from nbdist.cluster.rank_setup import collect, rank_processes, setup_options, spec_dict
+from nbdist.cluster.rank_setup import collect, rank_processes, rank_setup_message
 from nbdist.cluster.ranks import RankProcess, RankSpec
 from nbdist.errors import NbdistError
 from nbdist.worker import bootstrap
@@ -30,68 +29,53 @@ def replace_dead_ranks(cluster: ClusterCore, say: Progress) -> list[int]:
     dead = [p for p in cluster.ranks if p.state == "dead"]
     if not dead:
         return []
-    _check_replaceable(cluster, dead)
-    engines, client, config = cluster._engines, cluster._client, cluster.config
+    mode, client, config = cluster.launch_mode, cluster.client, cluster.config
+    mode.check_replaceable(cluster.controller_lost)
+    if len(dead) == len(cluster.ranks):
+        raise NbdistError("every rank is dead: nothing is left to keep; run %dist_restart "
+                          "(Cluster.restart())")
     alive = [p for p in cluster.ranks if p.state == "alive"]
     say(f"replacing rank(s) {', '.join(str(p.spec.rank) for p in dead)}; "
         f"rank(s) {', '.join(str(p.spec.rank) for p in alive) or 'none'} keep their state")
     # the living ranks' group waits for a dead peer: end it so they can join the new one
-    cluster.teardown_process_group([p.spec.rank for p in alive], timeout=config.rebuild_timeout)
-    known = set(client.ids) | {p.spec.engine_id for p in dead}
-    engines.start_engines(len(dead))
-    cluster._write_pidfile()
-    new_ids = engines.wait_for_registration(client, len(dead), known=known)
+    cluster.teardown_process_group([p.spec.rank for p in alive],
+                                   timeout=config.start.rebuild_timeout)
+    new_ids = mode.start_replacements(len(dead), cluster.ranks, say)
     probes = collect({eid: client[eid].apply_async(bootstrap.probe, None) for eid in new_ids},
-                     config.bootstrap_timeout, "probing the new engines")
-    specs = [dataclasses.replace(p.spec, engine_id=eid) for p, eid in zip(dead, new_ids, strict=True)]
+                     config.start.bootstrap_timeout, "probing the new engines")
+    specs = [dataclasses.replace(p.spec, engine_id=eid)
+             for p, eid in zip(dead, new_ids, strict=True)]
     cluster.generation += 1
-    rank0_engine = next((s.engine_id for s in specs if s.rank == 0), cluster.ranks[0].spec.engine_id)
-    port = cluster._rendezvous.port(client, rank0_engine, config.bootstrap_timeout)
+    rank0 = next((s.engine_id for s in specs if s.rank == 0), cluster.ranks[0].spec.engine_id)
+    port = cluster.rendezvous.port(client, rank0, config.start.bootstrap_timeout)
     results = _join_together(cluster, specs, probes, alive, port)
     for proc in rank_processes(specs, probes, results):
         cluster.ranks[proc.spec.rank] = proc
         cluster.telemetry.rank_state(proc.spec.rank, "restarted", f"pid {proc.pid}")
-    cluster._write_pidfile()
-    rank_setup.freeze_collectors(client, new_ids, config.bootstrap_timeout)
+    mode.write_pidfile(cluster.ranks)
+    rank_setup.freeze_collectors(client, new_ids, config.start.bootstrap_timeout)
     return [s.rank for s in specs]
-
-
-def _check_replaceable(cluster: ClusterCore, dead: list[RankProcess]) -> None:
-    if cluster.controller_lost or not cluster._processes.controller_alive():
-        raise NbdistError("the controller is gone: only a full restart can bring the ranks back "
-                          "(%dist_restart, Cluster.restart())")
-    if cluster._attached or cluster.launcher != "local":
-        raise NbdistError(
-            f"replacing single ranks works for local engines only (this cluster's are "
-            f"{'attached' if cluster._attached else cluster.launcher}): run %dist_restart "
-            "(Cluster.restart()) for a full set of new ranks")
-    if len(dead) == len(cluster.ranks):
-        raise NbdistError("every rank is dead: nothing is left to keep; run %dist_restart "
-                          "(Cluster.restart())")
 
 
 def _join_together(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int, Any],
                    alive: list[RankProcess], port: int) -> dict[int, Any]:
     """The new ranks set up and the living ones rebuild at once: both sides of one rendezvous."""
-    client, config, generation = cluster._client, cluster.config, cluster.generation
-    store_path = cluster._rendezvous.store_path(cluster.workdir, generation)
+    client, config, generation = cluster.client, cluster.config, cluster.generation
+    store_path = cluster.rendezvous.store_path(cluster.workdir, generation)
     asyncs = {}
     for spec in specs:
-        options = setup_options(spec, probes[spec.engine_id], port=port, generation=generation,
-                                rendezvous=cluster._rendezvous, config=config,
-                                workdir=cluster.workdir,
-                                # the rank it replaces had its host's share worked out already
-                                requested_threads=(cluster.requested_threads
-                                                   or cluster.ranks[spec.rank].threads),
-                                cwd=os.getcwd(), channel=cluster.channel().setup_for(
-                                    cluster._rendezvous.channel_host(probes[spec.engine_id])))
-        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(
-            bootstrap.setup_rank, spec_dict(spec), options)
+        setup = rank_setup_message(
+            spec, probes[spec.engine_id], port=port, generation=generation,
+            rendezvous=cluster.rendezvous, config=config, workdir=cluster.workdir,
+            # the rank it replaces had its host's share worked out already
+            threads=cluster.requested_threads or cluster.ranks[spec.rank].threads,
+            channel=cluster.channel())
+        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
     rebuilds = {p.spec.engine_id: client[p.spec.engine_id].apply_async(
         bootstrap.rebuild_process_group, port, generation, cluster.master_addr, store_path)
         for p in alive}
     started = time.monotonic()
-    results = collect(asyncs, config.bootstrap_timeout, "setting up the new ranks")
-    collect(rebuilds, max(1.0, config.rebuild_timeout - (time.monotonic() - started)),
+    results = collect(asyncs, config.start.bootstrap_timeout, "setting up the new ranks")
+    collect(rebuilds, max(1.0, config.start.rebuild_timeout - (time.monotonic() - started)),
             "rebuilding the process group on the living ranks")
     return results

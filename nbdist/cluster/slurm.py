@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist.cluster.launchers import ENGINE_LOG_NOISE
-from nbdist.config import NbdistConfig
+from nbdist.config import BatchConfig
 from nbdist.errors import ClusterStartError
 from nbdist.text import tail
 
@@ -69,7 +69,7 @@ class JobState:
         return "CANCELLED" if self.reason == "None" and self.exit_signal else ""
 
 
-def query(job_id: str, timeout: float = NbdistConfig.batch_command_timeout) -> JobState | None:
+def query(job_id: str, timeout: float = BatchConfig.batch_command_timeout) -> JobState | None:
     """`scontrol show job -o ID` (ended jobs stay listed for Slurm's MinJobAge; unlike squeue it
     also gives the exit code, which tells a cancelled COMPLETING job). State "" once Slurm no
     longer knows the job; None when Slurm could not be asked (slurmctld busy or away)."""
@@ -127,7 +127,7 @@ def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> Cluste
 class SlurmJob:
     """The engines' job: its state (throttled scontrol), start-up progress, end and log."""
 
-    def __init__(self, launcher: Any, config: NbdistConfig,
+    def __init__(self, launcher: Any, config: BatchConfig,
                  query_job: Callable[[str, float], JobState | None] = query) -> None:
         self.launcher = launcher
         self.config = config

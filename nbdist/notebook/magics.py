@@ -4,6 +4,7 @@ nbdist.export, display. Everything else is plain Python in nbdist.notebook.optio
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -17,6 +18,7 @@ from IPython.utils.process import arg_split
 from nbdist.api import Cluster
 from nbdist.cells.lint import lint, summary
 from nbdist.cells.result import CellResult
+from nbdist.cluster.launchers import LAUNCHERS
 from nbdist.cluster.ranks import BACKENDS, parse_ranks
 from nbdist.errors import NbdistError
 from nbdist.export import SessionLog, export_session
@@ -71,18 +73,35 @@ def _as_usage_error(prefix: str = "", *also: type[Exception]) -> Iterator[None]:
         raise UsageError(f"{prefix}{exc}") from None
 
 
-def _progress(message: str) -> None:
-    print(f"nbdist: {message}", flush=True)
+_progress = functools.partial(print, "nbdist:", flush=True)  # start-up progress lines
+
+
+def shared_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """The options several magics take, each defined once (`--ranks`, `--timeout`, `--rank0`),
+    applied as IPython's own ``@argument`` decorators are (as ipyparallel's ``exec_args``)."""
+    return lambda magic: functools.reduce(lambda m, name: _SHARED[name](m), reversed(names), magic)
+
+
+_SHARED = {
+    "ranks": argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3"),
+    "timeout": argument("--timeout", type=positive_seconds, default=None, metavar="S",
+                        help="deadline in seconds"),
+    "rank0": argument("--rank0", action="store_true", help="show only rank 0's output"),
+}
 
 
 @magics_class
 class DistMagics(Magics):
     def _cluster(self) -> Cluster:
         if _CURRENT is None or not _CURRENT.running:
-            raise UsageError(
-                "no cluster is running: run %dist_start first (e.g. %dist_start -n 2)"
-            )
+            raise UsageError("no cluster is running: run %dist_start first (e.g. %dist_start -n 2)")
         return _CURRENT
+
+    def _cluster_and_ranks(self, ranks: str | None) -> tuple[Cluster, list[int] | None]:
+        """The running cluster and --ranks as a rank list (None: every rank)."""
+        cluster = self._cluster()
+        with _as_usage_error():
+            return cluster, None if ranks is None else parse_ranks(ranks, cluster.world_size)
 
     @magic_arguments()
     @argument("-n", type=positive_int, default=None, metavar="N", help="number of ranks")
@@ -95,7 +114,7 @@ class DistMagics(Magics):
               help="what each rank may allocate after start-up, e.g. 512MiB, 1GiB")
     @argument("--check-collectives", action="store_true",
               help="torch compares every collective's sizes across ranks first (slower)")
-    @argument("--launcher", choices=["local", "mpi", "slurm", "ssh"], default="local",
+    @argument("--launcher", choices=list(LAUNCHERS), default="local",
               help="how ipyparallel starts the engines")
     @argument("--profile", default=None, metavar="P",
               help="use the engines of a cluster already running in this ipyparallel profile")
@@ -140,10 +159,7 @@ class DistMagics(Magics):
         print(started_message(cluster, args.tensorboard))
 
     @magic_arguments(name="%distributed")  # shown with magic_arguments' own "%": %%distributed
-    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
-    @argument("--timeout", type=positive_seconds, default=None, metavar="S",
-              help="deadline for this cell")
-    @argument("--rank0", action="store_true", help="show only rank 0's output")
+    @shared_options("ranks", "timeout", "rank0")
     @argument("--setup", action="store_true", help="re-run this cell after %%dist_restart")
     @argument("--no-lint", action="store_true",
               help="do not warn about collectives only some ranks reach")
@@ -152,8 +168,7 @@ class DistMagics(Magics):
     def distributed(self, line: str, cell: str) -> Any:
         """Run the cell on the ranks; output streams live per rank."""
         args = _parse(self.distributed, line)
-        cluster = self._cluster()
-        ranks = _ranks(args.ranks, cluster.world_size)
+        cluster, ranks = self._cluster_and_ranks(args.ranks)
         findings = [] if args.no_lint else lint(cell)
         if findings:
             print(summary(findings), flush=True)
@@ -180,10 +195,7 @@ class DistMagics(Magics):
             print(f"nbdist: {action}")
 
     @magic_arguments()
-    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
-    @argument("--timeout", type=positive_seconds, default=None, metavar="S",
-              help="deadline for the script")
-    @argument("--rank0", action="store_true", help="show only rank 0's output")
+    @shared_options("ranks", "timeout", "rank0")
     @argument("script", help="the torchrun script, run unchanged on every rank as __main__")
     @argument("args", nargs=argparse.REMAINDER, help="its own arguments (its sys.argv[1:])")
     @line_magic
@@ -193,8 +205,7 @@ class DistMagics(Magics):
         init/destroy_process_group work as under torchrun; sys.exit(0) is success. Like %run -i,
         it runs in each rank's namespace, so its globals are there for the next cell."""
         args = _parse(self.dist_run, line)
-        cluster = self._cluster()
-        ranks = _ranks(args.ranks, cluster.world_size)
+        cluster, ranks = self._cluster_and_ranks(args.ranks)
         sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
         try:
             with _as_usage_error():
@@ -275,18 +286,17 @@ class DistMagics(Magics):
 
     @magic_arguments()
     @argument("name", help="the variable to fetch from the ranks")
-    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
+    @shared_options("ranks")
     @line_magic
     def dist_pull(self, line: str) -> dict[int, Any]:
         """{rank: value} of a variable on the ranks (tensors arrive on CPU)."""
         args = _parse(self.dist_pull, line)
-        cluster = self._cluster()
-        ranks = _ranks(args.ranks, cluster.world_size)
+        cluster, ranks = self._cluster_and_ranks(args.ranks)
         with _as_usage_error():
             return cluster.pull(args.name, ranks=ranks)
 
     @magic_arguments()
-    @argument("--ranks", default=None, metavar="R", help="only these ranks, e.g. 0,2-3")
+    @shared_options("ranks")
     @argument("--full", action="store_true",
               help="compare sharded DTensors in full (gathers them), not just their shard shapes")
     @argument("expr", nargs="+", help="evaluated on every rank, e.g. model or opt.state_dict()")
@@ -295,8 +305,7 @@ class DistMagics(Magics):
         """Compare a value across ranks (tensors, modules, state dicts, optimizers, containers):
         the first differing entry, which ranks differ, the largest difference."""
         args = _parse(self.dist_diff, line, posix=False)  # the expression keeps its quotes
-        cluster = self._cluster()
-        ranks = _ranks(args.ranks, cluster.world_size)
+        cluster, ranks = self._cluster_and_ranks(args.ranks)
         with _as_usage_error():
             print(cluster.diff(" ".join(args.expr), ranks=ranks, full=args.full))
 
@@ -362,14 +371,6 @@ def _no_arguments(magic: str, line: str) -> None:
         raise UsageError(f"%{magic} takes no arguments (got {line.strip()!r})")
 
 
-def _ranks(text: str | None, world_size: int) -> list[int] | None:
-    """--ranks as a rank list (None: every rank)."""
-    if text is None:
-        return None
-    with _as_usage_error():
-        return parse_ranks(text, world_size)
-
-
 def _close_output(sink: NotebookSink) -> None:
     sink.flush()
     finalize = getattr(sink.dashboard, "finalize", None)
@@ -382,9 +383,8 @@ def _close_output(sink: NotebookSink) -> None:
 
 def _autodist_transform(lines: list[str]) -> list[str]:
     first = next((ln for ln in lines if ln.strip()), "")
-    if not first or first.lstrip().startswith("%") or first.lstrip().startswith("!"):
-        return lines
-    return ["%%distributed\n", *lines]
+    magic_or_shell = not first or first.lstrip().startswith(("%", "!"))
+    return lines if magic_or_shell else ["%%distributed\n", *lines]
 
 
 def register_magics(ipython: Any) -> None:

@@ -4,46 +4,38 @@ types, %dist_start's multi-host flags as Cluster keyword arguments, %dist_push's
 from __future__ import annotations
 
 import argparse
-import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
-from nbdist.cluster.memory_limit import memory_limit_bytes
-from nbdist.config import DEFAULT, NbdistConfig
+from nbdist.cluster.arguments import check_variable_name
+from nbdist.config import DEFAULT, NbdistConfig, check_seconds, check_whole, memory_limit_bytes
 from nbdist.errors import NbdistError
 
-
-def positive_int(text: str) -> int:
-    """An argparse type: a whole number, 1 or more (-n, --threads, --nproc)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text} must be 1 or more")
-    return value
+T = TypeVar("T")
 
 
-def positive_seconds(text: str) -> float:
-    """An argparse type: a number of seconds above 0 (--timeout)."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds (leave --timeout "
-                                         "out for no deadline)")
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{text} must be more than 0 seconds")
-    return value
+def _from_text(parse: Callable[[str], T], check: Callable[[T], Any],
+               what: str) -> Callable[[str], Any]:
+    """An argparse type: the text read as `what`, then the check the Python API makes too."""
+    def convert(text: str) -> Any:
+        try:
+            value = parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+        try:
+            return check(value)
+        except NbdistError as exc:  # its message without the name argparse puts first
+            raise argparse.ArgumentTypeError(f"{text!r}: {str(exc).split(': ', 1)[-1]}") from None
+    convert.__name__ = what
+    return convert
 
 
-def memory_size(text: str) -> int:
-    """An argparse type: --memory-limit as bytes (512MiB, 1GiB, 2GB or whole bytes)."""
-    try:
-        return int(memory_limit_bytes(text) or 0)
-    except NbdistError as exc:
-        raise argparse.ArgumentTypeError(str(exc).removeprefix(f"--memory-limit {text!r}: ")) from None
+positive_int = _from_text(int, lambda value: check_whole(value, "", minimum=1), "a whole number")
+"""-n, --threads, --nproc."""
+positive_seconds = _from_text(float, lambda value: check_seconds(value, ""), "a number of seconds")
+"""--timeout."""
+memory_size = _from_text(str, memory_limit_bytes, "a size")
+"""--memory-limit, as bytes (512MiB, 1GiB, 2GB or whole bytes)."""
 
 
 def launcher_kwargs(*, launcher: str = "local", profile: str | None = None,
@@ -85,8 +77,7 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
     for item in items:
         name, _, expr = item.partition("=")
         name = name.strip()
-        if not name.isidentifier():  # checked first: nothing is evaluated for a bad name
-            raise NbdistError(f"%dist_push: {name!r} is not a valid name")
+        check_variable_name(name, "%dist_push")  # first: nothing is evaluated for a bad name
         if "=" in item:
             try:
                 values[name] = evaluate(expr)

@@ -15,13 +15,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nbdist.config import NbdistConfig
+from nbdist.config import InternalConfig, TelemetryConfig
 
 Provider = Callable[[], Any]
 
 TELEMETRY_KEY = "nbdist"
 
-LOG_SPACING = NbdistConfig.telemetry_log_spacing
+LOG_SPACING = InternalConfig.telemetry_log_spacing
 """The default least spacing of publishes prompted by ``log()``: a fast loop's records go out in
 batches (≤ 10 light payloads/s per rank, each ≈ 1 ms of CPU in the controller and the notebook)
 while a logged value still reaches the widget well within B6's 250 ms (the widget syncs at 5 Hz)."""
@@ -38,8 +38,8 @@ class TelemetryAgent:
         interval: float,
         publish: Callable[[dict[str, Any]], None],
         log_spacing: float = LOG_SPACING,
-        start_delay: float = NbdistConfig.telemetry_start_delay,
-        collective_interval: float = NbdistConfig.collective_report_interval,
+        start_delay: float = InternalConfig.telemetry_start_delay,
+        collective_interval: float = TelemetryConfig.collective_report_interval,
     ) -> None:
         self.rank = rank
         self.interval = interval

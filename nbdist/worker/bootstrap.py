@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import socket
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nbdist import torch_support
+from nbdist.config import NbdistConfig
 from nbdist.worker import (
     collective_checks,
     collectives,
@@ -34,12 +35,13 @@ from nbdist.worker.memory_limit import apply_memory_limit, lifted
 from nbdist.worker.memory_sampler import install_memory_sampler
 from nbdist.worker.metrics import install_metrics
 from nbdist.worker.nccl_env import nccl_environment
+from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
 from nbdist.worker.values import cell_classes, move_tensors
 
 
 @dataclass
 class RankRuntime:
-    spec: dict[str, Any] = field(default_factory=dict)
+    spec: RankSpec | None = None
     generation: int = -1
     pg_timeout: float = 60.0
     cell_end_collective_wait: float = 0.0
@@ -88,41 +90,30 @@ def probe(peer: str | None = None) -> dict[str, Any]:
     }
 
 
-def setup_rank(spec: dict[str, Any], options: dict[str, Any]) -> dict[str, Any]:
+def setup_rank(setup: RankSetup) -> RankReady:
     """Environment, threads, device, notebook names, hooks, telemetry, then the process group."""
     from IPython import get_ipython
 
-    RUNTIME.spec = dict(spec)
-    threads = _apply_environment(options)
-    notes = _apply_nccl_environment() if spec["backend"] == "nccl" else []
-    notes += _apply_collective_checks(options)
+    spec, config = setup.spec, setup.config
+    RUNTIME.spec = spec
+    threads = _apply_environment(setup)
+    notes = _apply_nccl_environment() if spec.backend == "nccl" else []
+    notes += _apply_collective_checks(setup)
     non_interactive.present_as_torchrun_worker(spec)  # what Lightning & co. check
-    device = _pin_device(spec, options)
+    device = _pin_device(setup)
     shell = get_ipython()
     _define_names(shell, spec, device)
     _install_hooks(shell)
-    RUNTIME.agent = _start_telemetry(shell, spec["rank"], options, device)
+    RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
     install_breakpoint_hook(RUNTIME.agent)
-    endpoint = open_channel(spec["rank"], options["channel"])
-    RUNTIME.pg_timeout = float(options["pg_timeout"])
-    if spec["backend"] == "gloo":  # NCCL's record completes when its watchdog looks: no wait
-        RUNTIME.cell_end_collective_wait = float(options.get("cell_end_collective_wait", 0.0))
-    init = _join_generation(int(options["generation"]), options["master_addr"], int(options["port"]),
-                            options.get("store_path"))
+    endpoint = open_channel(spec.rank, setup.channel)
+    RUNTIME.pg_timeout = setup.process_group_timeout
+    if spec.backend == "gloo":  # NCCL's record completes when its watchdog looks: no wait
+        RUNTIME.cell_end_collective_wait = config.faults.cell_end_collective_wait
+    _join_generation(setup.generation, setup.master_addr, setup.port, setup.store_path)
     # last: torch, the engine and the group are the baseline the budget is counted from
-    memory_limit = apply_memory_limit(options.get("memory_limit"), device)
-    return {
-        "rank": spec["rank"],
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": str(device),
-        "backend": spec["backend"],
-        "threads": threads,
-        "pg_seconds": init["seconds"],
-        "memory_limit": memory_limit,
-        "channel": endpoint,
-        "notes": notes,
-    }
+    apply_memory_limit(config.start.memory_limit, device)
+    return RankReady(device=str(device), threads=threads, endpoint=endpoint, notes=tuple(notes))
 
 
 def _apply_nccl_environment() -> list[str]:
@@ -132,37 +123,36 @@ def _apply_nccl_environment() -> list[str]:
     return notes
 
 
-def _apply_collective_checks(options: dict[str, Any]) -> list[str]:
+def _apply_collective_checks(setup: RankSetup) -> list[str]:
     """The flight recorder's buffer and dump file, and torch's cross-rank checks of every
     collective when asked (read when a group is created, so before the first one)."""
-    to_set, notes = flight_recorder.buffer_environment(
-        int(options.get("flight_recorder_entries", 256)), os.environ)
+    faults = setup.config.faults
+    to_set, notes = flight_recorder.buffer_environment(faults.flight_recorder_entries, os.environ)
     os.environ.update(to_set)
     os.environ.update(flight_recorder.dump_environment(
-        os.environ, int(RUNTIME.spec["rank"]), options.get("private_dir")))
-    return notes + collective_checks.apply(bool(options.get("check_collectives")))
+        os.environ, setup.spec.rank, setup.private_dir))
+    return notes + collective_checks.apply(faults.check_collectives)
 
 
-def _apply_environment(options: dict[str, Any]) -> int:
+def _apply_environment(setup: RankSetup) -> int:
     """The rank's environment, thread count and working directory; returns the thread count."""
     import torch
 
-    os.environ.update(dict(options["env"]))
-    threads = int(options["threads"])
-    os.environ["OMP_NUM_THREADS"] = str(threads)
-    torch.set_num_threads(threads)
-    if options.get("cwd") and os.path.isdir(options["cwd"]):
-        os.chdir(options["cwd"])
-        if options["cwd"] not in sys.path:
-            sys.path.insert(0, options["cwd"])
-    return threads
+    os.environ.update(setup.spec.env(setup.master_addr, setup.port))
+    os.environ["OMP_NUM_THREADS"] = str(setup.threads)
+    torch.set_num_threads(setup.threads)
+    if os.path.isdir(setup.cwd):
+        os.chdir(setup.cwd)
+        if setup.cwd not in sys.path:
+            sys.path.insert(0, setup.cwd)
+    return setup.threads
 
 
-def _pin_device(spec: dict[str, Any], options: dict[str, Any]) -> Any:
+def _pin_device(setup: RankSetup) -> Any:
     """This rank's device (its first GPU, else the CPU) and the interface its sockets use."""
     import torch
 
-    gpus = list(spec["gpus"])
+    gpus = setup.spec.gpus
     if gpus:
         torch.cuda.set_device(gpus[0])
         device = torch.device("cuda", gpus[0])
@@ -172,20 +162,18 @@ def _pin_device(spec: dict[str, Any], options: dict[str, Any]) -> Any:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # nbdist.prepare() computes here too: a CPU rank on a GPU host must not land on cuda:0
     os.environ[RANK_DEVICE_VAR] = str(device)
-    if options.get("socket_ifname"):
+    if setup.master_addr.startswith("127."):
         # a local cluster: gloo, NCCL's bootstrap and TensorPipe (rpc) would otherwise listen on
         # the interface the host name resolves to, or the first non-loopback one (NCCL); a name
         # the user exported stays theirs
         for name in LOCAL_SOCKET_IFNAME_VARS:
-            os.environ.setdefault(name, options["socket_ifname"])
-    # multi-host: the interface that reaches the other ranks (or --interface), set on every rank
-    for name in LOCAL_SOCKET_IFNAME_VARS:
-        if options.get("interface_env") and options["interface_env"].get(name):
-            os.environ[name] = options["interface_env"][name]
+            os.environ.setdefault(name, "lo")
+    if setup.interface:  # multi-host: the interface that reaches the other ranks, on every rank
+        os.environ.update(dict.fromkeys(LOCAL_SOCKET_IFNAME_VARS, setup.interface))
     return device
 
 
-def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
+def _define_names(shell: Any, spec: RankSpec, device: Any) -> None:
     """The names every distributed cell can use without defining them."""
     import torch
     import torch.distributed as dist
@@ -193,24 +181,24 @@ def _define_names(shell: Any, spec: dict[str, Any], device: Any) -> None:
     collectives.install()
     release.watch_new_groups()  # a sub-group's collective is released like the world's
     script_calls.install()  # a pasted script's init/destroy_process_group and rpc.init_rpc
-    launcher_calls.install(spec["rank"], spec["world_size"], shell)  # mp.spawn, !torchrun, ...
+    launcher_calls.install(spec.rank, spec.world_size, shell)  # mp.spawn, !torchrun, ...
     shell.user_ns.update(
-        rank=spec["rank"],
-        world_size=spec["world_size"],
-        local_rank=spec["local_rank"],
+        rank=spec.rank,
+        world_size=spec.world_size,
+        local_rank=spec.local_rank,
         device=device,
-        gpus=[torch.device("cuda", index) for index in spec["gpus"]],
+        gpus=[torch.device("cuda", index) for index in spec.gpus],
         dist=dist,
         torch=torch,
     )
 
 
-def _start_telemetry(shell: Any, rank: int, options: dict[str, Any], device: Any) -> TelemetryAgent:
+def _start_telemetry(shell: Any, rank: int, config: NbdistConfig, device: Any) -> TelemetryAgent:
     agent = install_agent(TelemetryAgent(
-        rank, float(options["telemetry_interval"]), shell.data_pub.publish_data,
-        log_spacing=float(options["telemetry_log_spacing"]),
-        start_delay=float(options["telemetry_start_delay"]),
-        collective_interval=float(options["collective_report_interval"]),
+        rank, config.telemetry.telemetry_interval, shell.data_pub.publish_data,
+        log_spacing=config.internal.telemetry_log_spacing,
+        start_delay=config.internal.telemetry_start_delay,
+        collective_interval=config.telemetry.collective_report_interval,
     ))
     agent.blocked_since = collectives.TRACKER.blocked_since
     release.report_hook = _report_where
@@ -228,15 +216,15 @@ def _start_telemetry(shell: Any, rank: int, options: dict[str, Any], device: Any
 def _join_generation(generation: int, master_addr: str, port: int,
                      store_path: str | None) -> dict[str, Any]:
     spec = RUNTIME.spec
-    gpus = list(spec["gpus"])
+    assert spec is not None, "setup_rank first"
     result = process_group.init_generation(
-        backend=spec["backend"],
+        backend=spec.backend,
         master_addr=master_addr,
         port=port,
-        rank=spec["rank"],
-        world_size=spec["world_size"],
+        rank=spec.rank,
+        world_size=spec.world_size,
         timeout_s=RUNTIME.pg_timeout,
-        gpus=gpus,
+        gpus=list(spec.gpus),
         generation=generation,
         store_path=store_path,
     )
@@ -324,7 +312,7 @@ def cell_report() -> dict[str, Any]:
     tracker = collectives.TRACKER
     failed = tracker.failed_in
     return {
-        "rank": RUNTIME.spec.get("rank"),
+        "rank": RUNTIME.spec.rank if RUNTIME.spec else None,
         "failed_in": None if failed is None else {"name": failed.name, "location": failed.location},
         "collectives_entered": tracker.count,
         "pg_initialized": process_group.is_initialized(),

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from nbdist.worker.non_interactive import torchrun_environment
+from nbdist.worker.setup_message import RankSpec
 
 
 class ScriptExit(Exception):
@@ -23,13 +24,13 @@ class ScriptExit(Exception):
 
 
 def run_script(path: str, argv: Sequence[str], namespace: dict[str, Any],
-               spec: dict[str, Any] | None = None) -> None:
+               spec: RankSpec | None = None) -> None:
     """Run the script at `path` in `namespace` (the rank's own, as IPython's `%run -i` does:
     functions the script defines are then `__main__.name` for pickle and RPC, as under torchrun)."""
     full_path = os.path.abspath(path)
     with open(full_path, encoding="utf-8") as f:
         code = compile(f.read(), full_path, "exec")
-    if spec:
+    if spec is not None:
         os.environ.update(torchrun_environment(spec))
     saved_argv, saved_path = list(sys.argv), list(sys.path)
     saved_file = namespace.get("__file__")
@@ -53,4 +54,4 @@ def run_rank_script(path: str, argv: Sequence[str], namespace: dict[str, Any]) -
     """`run_script` with this rank's torchrun environment (the cell `%dist_run` sends)."""
     from nbdist.worker.bootstrap import RUNTIME
 
-    run_script(path, argv, namespace, spec=RUNTIME.spec or None)
+    run_script(path, argv, namespace, spec=RUNTIME.spec)
