@@ -33,7 +33,7 @@ from nbdist.cluster.core import ClusterCore, Progress
 from nbdist.cluster.replace import replace_dead_ranks
 from nbdist.cluster.status import ClusterStatus
 from nbdist.config import DEFAULT, NbdistConfig
-from nbdist.errors import DistributedCellError
+from nbdist.errors import DistributedCellError, NbdistError
 from nbdist.export.run import script_cell
 
 if TYPE_CHECKING:
@@ -101,6 +101,14 @@ class Cluster(ClusterCore):
             self.last_result, self.last_profile = run_profiled(self, code, ranks, timeout, sink,
                                                                profile)
         return self.last_result
+
+    def output(self, rank: int) -> str:
+        """Everything `rank` printed in the last cell, stdout and stderr as they came, also what
+        the notebook left out of a long output ("" when it printed nothing)."""
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise NbdistError(f"rank {rank!r} does not exist (ranks 0-{self.world_size - 1})")
+        result = self.last_result
+        return result.output(rank) if result is not None else ""
 
     def collect_profile(self, ranks: Iterable[int] | None = None,
                         path: str | None = None) -> ProfileReport:

@@ -122,18 +122,44 @@ class TelemetryConfig:
         _check_fields(self)
 
 
+OUTPUT_MODES = ("merged", "ranks", "raw")
+"""What ``%%distributed --output`` and `NbdistConfig.output_mode` accept."""
+
+
 @dataclass(frozen=True)
 class OutputConfig:
-    """How much of each rank's output a cell shows."""
+    """How a cell shows each rank's output (docs/OUTPUT.md)."""
+
+    output_mode: str = "merged"
+    """How a cell's output reads (``%%distributed --output``): "merged" (a line several ranks
+    print alike shown once, ``[ranks 0-7] ...``; a per-rank view from `rank_view_ranks` ranks on),
+    "ranks" (each rank's output in one block, in the per-rank view while the cell runs) or "raw"
+    (every line as it comes, labelled with its rank)."""
+
+    output_interval: float = 0.3
+    """Seconds a line may wait for the same line from other ranks before it is shown (merged
+    output); a line every rank printed is shown as soon as the last one's arrives. Above the
+    0.2 s a rank's kernel gathers its output for: two ranks printing alike at once may send it
+    up to that far apart."""
+
+    rank_view_ranks: int = 5
+    """From this many ranks on, a cell shows the per-rank view (state and last line of each
+    rank, a filter to read one rank or a group) and one progress bar per loop, not per rank."""
+
+    max_output_lines: int = 1_000
+    """Per rank and stream: lines shown under the cell; past them the rest goes only to the
+    rank's log (``Cluster.output(rank)``) and the stream's end is shown when the cell ends."""
 
     max_output_chars: int = 200_000
-    """Per rank and stream: output shown live beyond this is truncated (with a note); the
-    stream's last `output_tail_chars` are shown when the cell ends."""
+    """The same limit in characters (one long line can be a flood too)."""
 
     output_tail_chars: int = 2_000
     """The end of a truncated stream, shown when the cell ends (whole lines)."""
 
     def __post_init__(self) -> None:
+        if self.output_mode not in OUTPUT_MODES:
+            raise NbdistError(f"NbdistConfig.output_mode {self.output_mode!r}: one of "
+                              f"{', '.join(OUTPUT_MODES)}")
         _check_fields(self)
         if self.output_tail_chars > self.max_output_chars:
             raise NbdistError(f"NbdistConfig.output_tail_chars={self.output_tail_chars}: at most "
@@ -300,8 +326,8 @@ def _check_fields(section: Any) -> None:
     finite and not negative (above 0 for timeouts and intervals), None only where allowed."""
     for f in dataclasses.fields(section):
         value, kind, name = getattr(section, f.name), str(f.type), f"NbdistConfig.{f.name}"
-        if f.name == "memory_limit" or value is None and "None" in kind:
-            continue
+        if f.name == "memory_limit" or value is None and "None" in kind or kind == "str":
+            continue  # (a str field is checked by its section)
         if kind == "bool" and not isinstance(value, bool):
             raise NbdistError(f"{name} {value!r}: must be True or False")
         if kind == "int":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from nbdist.text import strip_ansi
+
 
 class NbdistWarning(UserWarning):
     """Warnings raised by nbdist itself (tests turn these into errors)."""
@@ -23,15 +25,18 @@ class DistributedCellError(NbdistError):
     """A distributed cell failed on one or more ranks.
 
     ``result`` is the full :class:`nbdist.cells.result.CellResult` (per-rank outputs, errors, report).
+    ``str()`` is plain text, fit for a log; ``rendered`` (default: the message) is what a notebook
+    shows, where the ranks' tracebacks keep IPython's colours.
     """
 
-    def __init__(self, message: str, result: object) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, result: object, rendered: str | None = None) -> None:
+        super().__init__(strip_ansi(message))
         self.result = result
+        self.rendered = message if rendered is None else rendered
 
     def _render_traceback_(self) -> list[str]:
         # IPython shows this instead of nbdist's own frames: the user's remote traceback matters.
-        return str(self).splitlines()
+        return self.rendered.splitlines()
 
 
 class Interrupted(NbdistError, KeyboardInterrupt):

@@ -1,10 +1,18 @@
 """Plain-text formatting shared by every layer: one byte formatter, one table renderer, one
-log tail."""
+log tail, and terminal colour codes taken out."""
 
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Sequence
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+
+
+def strip_ansi(text: str) -> str:
+    """`text` without terminal colour and cursor codes (IPython colours a rank's traceback)."""
+    return _ANSI.sub("", text) if "\x1b" in text else text
 
 
 def format_bytes(value: float | None) -> str:

@@ -14,10 +14,11 @@ tutorial again and compares, code cell by code cell (`compare`):
   it carries warnings that come and go with the machine (a DeepSpeed op built on first use, a
   deprecation); nor is printed text in a cell tagged `raises-exception` (a rank's last line races
   its death), where the error and its type are;
-- the recorded figures: in cells tagged `figures`, every number of the text the cell shows, in
-  order after sorting each output's lines, within the notebook's `figure_tolerance` (relative;
-  default `FIGURE_TOLERANCE`). Only cells whose numbers are properties of the code (bytes, counts,
-  estimates, seeded losses) carry the tag; timings are not figures, they move with the machine.
+- the recorded figures: in cells tagged `figures`, every number of the text the cell shows (a
+  line merged for several ranks counted once per rank), in order after sorting each output's
+  lines, within the notebook's `figure_tolerance` (relative; default `FIGURE_TOLERANCE`). Only
+  cells whose numbers are properties of the code (bytes, counts, estimates, seeded losses) carry
+  the tag; timings are not figures, they move with the machine.
 
 12_multi_node_slurm keeps the outputs of a run through Slurm (tests/test_slurm.py re-saves it).
 """
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import nbformat
 
+from nbdist.text import strip_ansi
 from tests.test_notebook_lint import KEPT_OUTPUTS, save_with_outputs
 from tests.test_notebooks import NOTEBOOKS, RAISES, check_tagged_cells_raised, run_notebook
 
@@ -45,6 +47,7 @@ SAVED_ELSEWHERE = {"12_multi_node_slurm"}
 SAVE_COMMAND = ".venv/bin/python -m tests.notebook_outputs"
 
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?")
+_MERGED = re.compile(r"\[ranks ([\d,-]+)\] ")
 _ABSOLUTE = 1e-6
 """Numbers this close are equal whatever their size (a loss that is 1e-9 in one run, 0 in another)."""
 
@@ -79,12 +82,29 @@ def cell_numbers(cell: nbformat.NotebookNode) -> list[float]:
     numbers: list[float] = []
     for output in cell.get("outputs", []):
         if output["output_type"] == "stream":
-            text = output["text"]
+            lines = _per_rank(output["text"])
         else:
-            text = output.get("data", {}).get("text/plain", "")
-        for line in sorted(text.splitlines()):
+            lines = output.get("data", {}).get("text/plain", "").splitlines()
+        for line in sorted(lines):
             numbers.extend(float(match) for match in _NUMBER.findall(line))
     return numbers
+
+
+def _per_rank(text: str) -> list[str]:
+    """A stream's lines without colour codes, a line merged for several ranks (`[ranks 0-1] x`)
+    once per rank: whether the ranks' copies arrived close enough to merge is timing, like their
+    interleaving, not a figure."""
+    lines = []
+    for line in strip_ansi(text).splitlines():
+        merged = _MERGED.match(line)
+        if merged is None:
+            lines.append(line)
+            continue
+        for part in merged.group(1).split(","):
+            low, _, high = part.partition("-")
+            ranks = range(int(low), int(high or low) + 1)
+            lines += [f"[rank {rank}] {line[merged.end():]}" for rank in ranks]
+    return lines
 
 
 def _stream_merged(cell: nbformat.NotebookNode) -> nbformat.NotebookNode:

@@ -65,7 +65,8 @@ def test_session(ip, capsys, assert_all_gone):
     assert "only one" not in capsys.readouterr().out  # --rank0 hides rank 1's output
 
     for line, message in [("--ranks 5", "do not exist"), ("--ranks 1-0", "backwards"),
-                          ("--timeout -1", "more than 0"), ("--nope", "unrecognized")]:
+                          ("--timeout -1", "more than 0"), ("--nope", "unrecognized"),
+                          ("--output loud", "invalid choice")]:
         with pytest.raises(UsageError, match=message):
             ip.run_cell_magic("distributed", line, "pass")
 

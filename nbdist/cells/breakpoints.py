@@ -40,6 +40,9 @@ class BreakpointPrompts:
     def _ask(self, rank: int, prompt: str) -> str:
         if self.headless:
             return "c"
+        flush = getattr(self.sink, "flush", None)
+        if flush is not None:
+            flush()  # what the rank's pdb printed, before its prompt (merged output holds lines)
         try:
             # looked up now: ipykernel installs its own input() for each cell it runs
             return builtins.input(prompt)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbdist.cells.output_log import read_log
 from nbdist.cluster.ranks import format_ranks
 from nbdist.errors import DistributedCellError
+from nbdist.text import strip_ansi
 
 
 @dataclass
@@ -23,20 +26,26 @@ class RankError:
     out_of_memory: str = ""
     """The memory limit this rank ran out of ("1.00 GiB by --memory-limit ..."), if it did."""
 
-    def headline(self) -> str:
+    def headline(self, who: str = "") -> str:
+        """One line: what happened to this rank (`who` names it instead, e.g. "ranks 0-7")."""
+        who = who or f"rank {self.rank}"
         if self.out_of_memory:
             how = f"died ({self.evalue})" if self.kind == "dead" else f"{self.ename}: {self.evalue}"
-            return (f"rank {self.rank} ran out of memory: it is limited to {self.out_of_memory}; "
-                    f"{how}")
+            return f"{who} ran out of memory: it is limited to {self.out_of_memory}; {how}"
         if self.kind == "dead":
-            return f"rank {self.rank} died: {self.evalue}"
+            return f"{who} died: {self.evalue}"
         if self.kind == "collective":
-            return f"rank {self.rank}: was waiting in {self.where} (released when its peer failed)"
+            return f"{who}: was waiting in {self.where} (released when its peer failed)"
         if self.kind == "interrupted":
-            return f"rank {self.rank}: interrupted{f' at {self.where}' if self.where else ''}"
+            return f"{who}: interrupted{f' at {self.where}' if self.where else ''}"
         if self.kind == "lost":
-            return f"rank {self.rank}: no answer (controller lost)"
-        return f"rank {self.rank} raised {self.ename}: {self.evalue}"
+            return f"{who}: no answer (controller lost)"
+        return f"{who} raised {self.ename}: {self.evalue}"
+
+    def same_failure(self) -> tuple[str, ...]:
+        """What two ranks share when they failed the same way (everything but the rank)."""
+        return (self.kind, self.ename, self.evalue, self.where, self.out_of_memory,
+                strip_ansi(self.traceback))
 
 
 @dataclass
@@ -56,10 +65,20 @@ class CellResult:
     timed_out: bool = False
     interrupted: bool = False
     report_shown: bool = False  # the report was already streamed under the cell as it was made
+    outputs: dict[int, str] = field(default_factory=dict)
+    """Each rank's stdout and stderr as they came, for ranks whose output fit the cell."""
+    output_dir: str = ""
+    """Where the rest is: a file per rank whose output was longer (in the cluster's work
+    directory)."""
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    def output(self, rank: int) -> str:
+        """Everything `rank` printed in this cell, stdout and stderr as they came, also past what
+        the notebook showed ("" once the cluster stopped or 20 cells with output later)."""
+        return self.outputs[rank] if rank in self.outputs else read_log(self.output_dir, rank)
 
     def value_text(self, rank: int) -> str | None:
         """The text/plain form of the rank's last expression, or None."""
@@ -83,30 +102,28 @@ class CellResult:
             return sorted(roots, key=lambda e: e.rank)
         return sorted(self.errors.values(), key=lambda e: e.rank)
 
-    def failure_message(self) -> str:
-        roots = self.root_causes()
+    def failure_message(self, color: bool = False) -> str:
+        """Root causes first, each with its traceback; ranks that failed the same way share one
+        (at 64 ranks, one traceback instead of 64). Plain text unless `color`: the ranks'
+        tracebacks then keep IPython's colour codes, for a notebook to show."""
         lines: list[str] = []
-        failed = sorted(self.errors)
-        summary = f"distributed cell failed on rank(s) {format_ranks(failed)}"
+        summary = f"distributed cell failed on rank(s) {format_ranks(sorted(self.errors))}"
         if self.timed_out:
             summary = "distributed cell hit its deadline"
         elif self.interrupted:
             summary = "distributed cell interrupted"
         lines.append(summary)
         shown = set()
-        for err in roots:
-            if err.kind in ("interrupted", "collective"):
-                continue
-            shown.add(err.rank)
-            lines.append("")
-            lines.append(f"── {err.headline()} ──")
+        for ranks, err in _alike(e for e in self.root_causes()
+                                 if e.kind not in ("interrupted", "collective")):
+            shown.update(ranks)
+            lines += ["", f"── {err.headline(_who(ranks))} ──"]
             if err.traceback:
-                lines.append(err.traceback.rstrip())
+                lines.append((err.traceback if color else strip_ansi(err.traceback)).rstrip())
         others = [e for r, e in sorted(self.errors.items()) if r not in shown]
         if others or self.report:
             lines.append("")
-        for err in others:
-            lines.append(err.headline())
+        lines += [err.headline(_who(ranks)) for ranks, err in _alike(others)]
         if self.report_shown and self.report:
             lines.append("(where each rank was at the deadline: see the report above)")
         else:
@@ -118,9 +135,22 @@ class CellResult:
 
     def raise_for_errors(self) -> CellResult:
         if self.errors:
-            raise DistributedCellError(self.failure_message(), self)
+            raise DistributedCellError(self.failure_message(), self,
+                                       rendered=self.failure_message(color=True))
         return self
 
     def __repr__(self) -> str:
         state = "ok" if self.ok else f"errors on {format_ranks(sorted(self.errors))}"
         return f"<CellResult ranks {format_ranks(self.ranks)}: {state}, {self.elapsed:.3f} s>"
+
+
+def _alike(errors: Iterable[RankError]) -> list[tuple[list[int], RankError]]:
+    """Errors grouped by `same_failure`, in the order of each group's first rank."""
+    groups: dict[tuple[str, ...], tuple[list[int], RankError]] = {}
+    for err in errors:
+        groups.setdefault(err.same_failure(), ([], err))[0].append(err.rank)
+    return list(groups.values())
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks)}"

@@ -12,11 +12,12 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells.breakpoints import BreakpointPrompts
-from nbdist.cells.output import NullSink, OutputSink
+from nbdist.cells.output import CellOutput, NullSink, OutputSink
 from nbdist.cells.policy import FaultPolicy
 from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
 from nbdist.cells.rank_output import RankOutput, read_message
 from nbdist.cells.result import CellResult, RankError
+from nbdist.cells.running import finished_with_error
 from nbdist.cells.syntax import check_syntax
 from nbdist.cells.widgets import relay_widgets
 from nbdist.cluster.cell_channel import SEND_TIMEOUT_MS
@@ -61,8 +62,7 @@ class CellRun:
         self.result = CellResult(code=code, ranks=list(targets))
         self.pending: set[int] = set(targets)
         self.outputs: dict[int, RankOutput] = {}
-        self.streamed: dict[tuple[int, str], int] = {}
-        self.truncated: set[tuple[int, str]] = set()
+        self.output = CellOutput(sink, self.config, cluster.workdir)
         self.displays_shown: dict[int, int] = {}
         self.finished_at: dict[int, float] = {}
         self.started = time.perf_counter()
@@ -131,7 +131,11 @@ class CellRun:
             self.policy.while_waiting()
 
     def pump(self, wait: float) -> None:
-        """Handle events for up to `wait` seconds (returns early once something arrived)."""
+        """Handle events for up to `wait` seconds (returns early once something arrived, or when
+        output held back is due)."""
+        due = self.output.tick()
+        if due is not None:
+            wait = min(wait, due)
         for message in self.channel.receive(wait):
             out = self.outputs.get(message.rank)
             if message.token != self.token or out is None:
@@ -146,6 +150,7 @@ class CellRun:
                 if rank in self.pending:
                     self.pending.discard(rank)
                     self.finished_at[rank] = now
+                    self.output.rank_done(rank, "dead")
                     self.sink.on_status(f"nbdist: rank {rank} died ({detail})")
 
     def pump_until(self, seconds: float, ranks: set[int] | None = None) -> bool:
@@ -161,7 +166,7 @@ class CellRun:
 
     def _handle(self, rank: int, kind: str, content: Any) -> None:
         if kind == "stream":
-            self._emit_stream(rank, content["name"], content["text"])
+            self.output.stream(rank, content["name"], content["text"])
         elif kind == "display":
             self.displays_shown[rank] = self.displays_shown.get(rank, 0) + 1
             self.sink.on_display(rank, content)
@@ -177,38 +182,8 @@ class CellRun:
             if rank in self.pending:
                 self.pending.discard(rank)
                 self.finished_at[rank] = time.perf_counter()
-
-    def _emit_stream(self, rank: int, name: str, text: str) -> None:
-        key = (rank, name)
-        shown = self.streamed.get(key, 0)
-        limit = self.config.output.max_output_chars
-        self.streamed[key] = shown + len(text)
-        if key in self.truncated:
-            return
-        if shown + len(text) > limit:
-            keep = max(0, limit - shown)
-            if keep:
-                self.sink.on_stream(rank, name, text[:keep])
-            self.truncated.add(key)
-            self.sink.on_status(
-                f"nbdist: rank {rank} {name} truncated after {limit:,} characters "
-                f"(NbdistConfig.max_output_chars; the full text is in the result's .{name}[{rank}])"
-            )
-            return
-        self.sink.on_stream(rank, name, text)
-
-    def _emit_tail(self, rank: int, name: str, full: str) -> None:
-        """After a truncated stream, its last lines: where a flood ends is what matters (the
-        final loss, the error message), and the head alone would hide it."""
-        tail = full[-self.config.output.output_tail_chars:]
-        if len(tail) < len(full) and "\n" in tail[:-1]:
-            tail = tail[tail.index("\n") + 1:]  # start on a whole line
-        omitted = len(full) - self.config.output.max_output_chars - len(tail)
-        if omitted <= 0:
-            tail = full[self.config.output.max_output_chars:]
-        self.sink.on_status(f"nbdist: rank {rank} {name}: {max(omitted, 0):,} characters left out; "
-                            f"its last {len(tail):,}:")
-        self.sink.on_stream(rank, name, tail)
+                failed = finished_with_error(self, rank)
+                self.output.rank_done(rank, "failed" if failed else "finished")
 
     def _controller_lost(self) -> None:
         for rank in sorted(self.pending):
@@ -229,8 +204,7 @@ class CellRun:
             for name in ("stdout", "stderr"):
                 full = getattr(out, name)
                 getattr(result, name)[rank] = full
-                if (rank, name) in self.truncated:
-                    self._emit_tail(rank, name, full)
+                self.output.finish_stream(rank, name, full)
             result.displays[rank] = list(out.outputs)
             if out.execute_result:
                 result.results[rank] = out.execute_result
@@ -240,6 +214,7 @@ class CellRun:
                 result.errors[rank] = self._dead_rank_error(rank)
             elif out.error is not None:
                 result.errors[rank] = rank_error_from_remote(rank, out.error)
+        self.output.close(result)
         self.policy.after_cell()
         result.report = self.policy.hang_report + result.report
         result.elapsed = time.perf_counter() - self.started

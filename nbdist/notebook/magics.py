@@ -20,6 +20,7 @@ from nbdist.cells.lint import lint, summary
 from nbdist.cells.result import CellResult
 from nbdist.cluster.launchers import LAUNCHERS
 from nbdist.cluster.ranks import BACKENDS, parse_ranks
+from nbdist.config import OUTPUT_MODES
 from nbdist.errors import NbdistError
 from nbdist.export import SessionLog, export_session
 from nbdist.notebook.options import (
@@ -77,8 +78,9 @@ _progress = functools.partial(print, "nbdist:", flush=True)  # start-up progress
 
 
 def shared_options(*names: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """The options several magics take, each defined once (`--ranks`, `--timeout`, `--rank0`),
-    applied as IPython's own ``@argument`` decorators are (as ipyparallel's ``exec_args``)."""
+    """The options several magics take, each defined once (`--ranks`, `--timeout`, `--rank0`,
+    `--output`), applied as IPython's own ``@argument`` decorators are (as ipyparallel's
+    ``exec_args``)."""
     return lambda magic: functools.reduce(lambda m, name: _SHARED[name](m), reversed(names), magic)
 
 
@@ -87,6 +89,9 @@ _SHARED = {
     "timeout": argument("--timeout", type=positive_seconds, default=None, metavar="S",
                         help="deadline in seconds"),
     "rank0": argument("--rank0", action="store_true", help="show only rank 0's output"),
+    "output": argument("--output", choices=OUTPUT_MODES, default=None,
+                       help="merged (lines alike on several ranks once), ranks (a block per "
+                            "rank) or raw (every line as it comes); docs/OUTPUT.md"),
 }
 
 
@@ -159,7 +164,7 @@ class DistMagics(Magics):
         print(started_message(cluster, args.tensorboard))
 
     @magic_arguments(name="%distributed")  # shown with magic_arguments' own "%": %%distributed
-    @shared_options("ranks", "timeout", "rank0")
+    @shared_options("ranks", "timeout", "rank0", "output")
     @argument("--setup", action="store_true", help="re-run this cell after %%dist_restart")
     @argument("--no-lint", action="store_true",
               help="do not warn about collectives only some ranks reach")
@@ -174,19 +179,21 @@ class DistMagics(Magics):
             print(summary(findings), flush=True)
         if args.setup:
             cluster.mark_setup_cell(cell)
-        sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
+        sink = NotebookSink.for_cell(cluster, ranks, args.rank0, args.output)
+        result = None
         try:
             with _as_usage_error():
                 result = cluster.run(cell, ranks, args.timeout, sink, profile=args.profile)
         finally:
             # even when the cell failed or was interrupted: a live widget view left in the saved
             # output would read "model not found" once the kernel is gone
-            _close_output(sink)
+            sink.close(result)
         self._show_result(result, sink)
         return cluster.last_profile if args.profile else None  # shown under the cell's output
 
-    def _show_result(self, result: CellResult, sink: NotebookSink) -> None:
+    def _show_result(self, result: CellResult | None, sink: NotebookSink) -> None:
         """Errors raise (root causes first); otherwise each rank's value, then what nbdist did."""
+        assert result is not None  # cluster.run returned it (or raised)
         self.shell.user_ns["_dist_result"] = result
         if result.errors:
             result.raise_for_errors()
@@ -195,7 +202,7 @@ class DistMagics(Magics):
             print(f"nbdist: {action}")
 
     @magic_arguments()
-    @shared_options("ranks", "timeout", "rank0")
+    @shared_options("ranks", "timeout", "rank0", "output")
     @argument("script", help="the torchrun script, run unchanged on every rank as __main__")
     @argument("args", nargs=argparse.REMAINDER, help="its own arguments (its sys.argv[1:])")
     @line_magic
@@ -206,13 +213,14 @@ class DistMagics(Magics):
         it runs in each rank's namespace, so its globals are there for the next cell."""
         args = _parse(self.dist_run, line)
         cluster, ranks = self._cluster_and_ranks(args.ranks)
-        sink = NotebookSink(only_rank0=args.rank0, dashboard_factory=cluster.dashboard)
+        sink = NotebookSink.for_cell(cluster, ranks, args.rank0, args.output)
+        result = None
         try:
             with _as_usage_error():
                 result = cluster.run_script(args.script, args.args, ranks=ranks,
                                             timeout=args.timeout, sink=sink)
         finally:
-            _close_output(sink)
+            sink.close(result)
         self._show_result(result, sink)
 
     @magic_arguments()
@@ -369,16 +377,6 @@ def _no_arguments(magic: str, line: str) -> None:
     # they had been understood
     if line.strip():
         raise UsageError(f"%{magic} takes no arguments (got {line.strip()!r})")
-
-
-def _close_output(sink: NotebookSink) -> None:
-    sink.flush()
-    finalize = getattr(sink.dashboard, "finalize", None)
-    if finalize is not None:
-        try:
-            finalize()
-        except Exception:
-            pass  # a view that cannot freeze itself must not hide the cell's own outcome
 
 
 def _autodist_transform(lines: list[str]) -> list[str]:
