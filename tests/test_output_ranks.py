@@ -105,7 +105,7 @@ import time
 print("same on all ranks")
 for step in range(3):
     print(f"rank {rank} step {step}")
-    time.sleep(0.02)
+    time.sleep(0.3)  # long enough for the live view to come up
 """
 
 
@@ -117,12 +117,13 @@ def test_alike_lines_once_others_per_rank_and_the_view_saved(kernel8: Kernel) ->
     for rank in range(8):
         own = [text for ranks, text in lines if ranks == [rank]]
         assert own == [f"rank {rank} step {step}" for step in range(3)], (rank, lines)
-    # the per-rank view: a widget while the cell runs, its static form once it ended
-    views = [d for d in _of(messages, "display_data")
-             if "application/vnd.jupyter.widget-view+json" in d["data"]]
-    assert len(views) == 1 and views[0]["data"]["text/plain"].startswith("nbdist: 8 ranks")
-    (saved,) = [d for d in _of(messages, "update_display_data")
-                if d["transient"]["display_id"] == views[0]["transient"]["display_id"]]
+    # the per-rank view: its place at the first output, the live widget there once the cell has
+    # run a while, its static form once it ended
+    (place,) = [d for d in _of(messages, "display_data")
+                if d["data"]["text/plain"].startswith("nbdist: 8 ranks")]
+    live, saved = [d for d in _of(messages, "update_display_data")
+                   if d["transient"]["display_id"] == place["transient"]["display_id"]]
+    assert "application/vnd.jupyter.widget-view+json" in live["data"]
     assert "application/vnd.jupyter.widget-view+json" not in saved["data"]
     assert saved["data"]["text/plain"].startswith("nbdist: 8 ranks: 8 finished")
     assert saved["data"]["text/html"].count("<details") == 8  # each rank printed its own lines

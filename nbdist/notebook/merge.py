@@ -77,13 +77,14 @@ class LineMerger:
     (None: unknown, so every line waits its full interval for company).
 
     A group is made for nearly every line, so it is kept small for the garbage collector: a tuple
-    (number, text, due time) in `_pending`, its ranks as the bits of an int in `_masks`."""
+    (number, text, due time, the bit of the rank that opened it) in `_pending`; once others join,
+    its ranks as the bits of an int in `_masks`."""
 
     def __init__(self, ranks: Iterable[int] | None, interval: float) -> None:
         self.expected = None if ranks is None else sum(1 << rank for rank in set(ranks))
         self.interval = interval
-        self._pending: deque[tuple[int, str, float]] = deque()
-        self._masks: dict[int, int] = {}  # group number -> the ranks in it, one bit each
+        self._pending: deque[tuple[int, str, float, int]] = deque()
+        self._masks: dict[int, int] = {}  # group number -> its ranks, one bit each, once joined
         self._by_text: dict[str, int | list[int]] = {}  # the pending groups of each text, in order
         self._latest: dict[int, int] = {}  # rank -> number of the last group it joined
         self._opened = 0
@@ -99,7 +100,7 @@ class LineMerger:
                 by_text[text] = latest = opened
             elif type(same) is int:
                 if same > latest:
-                    masks[same] |= bit
+                    masks[same] = masks.get(same, 0) | bit
                     latest = same
                     continue
                 by_text[text] = [same, opened]
@@ -110,10 +111,9 @@ class LineMerger:
                     latest = opened
                 else:
                     latest = same[bisect_right(same, latest)]  # type: ignore[arg-type,index]
-                    masks[latest] |= bit
+                    masks[latest] = masks.get(latest, 0) | bit
                     continue
-            pending.append((opened, text, due_at))
-            masks[opened] = bit
+            pending.append((opened, text, due_at, bit))
             opened += 1
         self._opened = opened
         self._latest[rank] = latest
@@ -131,8 +131,9 @@ class LineMerger:
             return self.flush()  # (every rank is done: nothing is waited for)
         out: list[Merged] = []
         while pending:
-            number, text, due_at = pending[0]
-            if now < due_at and (expected is None or masks[number] & expected != expected):
+            number, text, due_at, opener = pending[0]
+            if now < due_at and (expected is None
+                                 or (masks.get(number, 0) | opener) & expected != expected):
                 break
             pending.popleft()
             same = by_text[text]
@@ -140,7 +141,7 @@ class LineMerger:
                 del by_text[text]
             else:  # the oldest group leaves first: it is the first of its text
                 del same[0]  # type: ignore[union-attr]
-            out.append((masks.pop(number), text))
+            out.append((masks.pop(number, 0) | opener, text))
         return out
 
     def next_due(self, now: float) -> float | None:
@@ -152,7 +153,8 @@ class LineMerger:
     def flush(self) -> list[Merged]:
         """Every line still waiting, in order."""
         masks = self._masks
-        out = [(masks[number], text) for number, text, _due in self._pending]
+        out = [(masks.get(number, 0) | opener, text)
+               for number, text, _due, opener in self._pending]
         self._pending.clear()
         self._masks.clear()
         self._by_text.clear()

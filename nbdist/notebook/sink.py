@@ -134,7 +134,6 @@ class NotebookSink:
             merger.rank_done(rank)
         if self.board is not None and rank in self.board.records:
             self.board.set_state(rank, state)
-        self.tick()
 
     def tick(self) -> float | None:
         """Show what is due; seconds until the next held-back line or view update is due."""
@@ -144,7 +143,7 @@ class NotebookSink:
             self._write(name, merger.due(now))
             dues.append(merger.next_due(now))
         if self.view is not None:
-            dues.append(self.view.sync(now))
+            dues.append(self.view.tick(now))
         waits = [due for due in dues if due is not None]
         return min(waits) if waits else None
 
@@ -210,11 +209,10 @@ class NotebookSink:
     def _show_view(self) -> None:
         if self._view_wanted:
             self._view_wanted = False
-            from nbdist.notebook.rank_view import RankView
+            from nbdist.notebook.rank_view import RankViewSlot
 
             assert self.board is not None
-            self.view = RankView(self.board, ALL_OF_IT)
-            self.view.show()
+            self.view = RankViewSlot(self.board, ALL_OF_IT, self._clock())
 
     def _print_blocks(self) -> None:
         """`--output ranks`: each rank's lines as one block, errors first; ranks whose whole
