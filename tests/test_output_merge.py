@@ -221,16 +221,20 @@ def test_the_saved_view_puts_errors_first_and_groups_alike_ranks() -> None:
 
 def test_a_failure_reads_as_plain_text_and_renders_in_colour() -> None:
     coloured = "\x1b[31mValueError\x1b[39m: bad"
-    result = CellResult(code="", ranks=[0, 1, 2], errors={
-        rank: RankError(rank=rank, kind="root", ename="ValueError", evalue="bad",
-                        traceback=coloured) for rank in (0, 1, 2)})
+    ranks = list(range(8))
+    errors = {rank: RankError(rank=rank, kind="root", ename="ValueError", evalue="bad",
+                              traceback=coloured) for rank in ranks[:6]}
+    errors.update({rank: RankError(rank=rank, kind="collective", where="barrier at cell line 2")
+                   for rank in ranks[6:]})
     try:
-        result.raise_for_errors()
+        CellResult(code="", ranks=ranks, errors=errors).raise_for_errors()
     except DistributedCellError as exc:
-        assert "\x1b" not in str(exc) and "ValueError: bad" in str(exc)
+        message = str(exc)
+        assert "\x1b" not in message and "ValueError: bad" in message
         assert coloured in exc._render_traceback_()
-        # three ranks that failed alike: one headline, one traceback
-        assert str(exc).count("ValueError: bad") == 2 and "ranks 0-2 raised ValueError" in str(exc)
+        # six ranks that failed alike: one headline, one traceback; two alike: one line each
+        assert message.count("ValueError: bad") == 2 and "ranks 0-5 raised ValueError" in message
+        assert "rank 6: was waiting in barrier" in message and "rank 7: was waiting" in message
 
 
 def test_the_output_mode_is_checked_where_it_is_set() -> None:

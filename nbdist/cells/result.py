@@ -144,12 +144,26 @@ class CellResult:
         return f"<CellResult ranks {format_ranks(self.ranks)}: {state}, {self.elapsed:.3f} s>"
 
 
+ALIKE_FROM = 5
+"""Ranks that failed the same way share one headline from this many on (as the per-rank view
+appears from 5 ranks): fewer read as well one by one, as they always did."""
+
+
 def _alike(errors: Iterable[RankError]) -> list[tuple[list[int], RankError]]:
-    """Errors grouped by `same_failure`, in the order of each group's first rank."""
+    """Errors grouped by `same_failure` (groups under `ALIKE_FROM` ranks split up again), in the
+    order of each group's first rank."""
     groups: dict[tuple[str, ...], tuple[list[int], RankError]] = {}
+    kept: dict[int, RankError] = {}
     for err in errors:
         groups.setdefault(err.same_failure(), ([], err))[0].append(err.rank)
-    return list(groups.values())
+        kept[err.rank] = err
+    out = []
+    for ranks, err in groups.values():
+        if len(ranks) >= ALIKE_FROM:
+            out.append((ranks, err))
+        else:
+            out += [([rank], kept[rank]) for rank in ranks]
+    return sorted(out, key=lambda group: group[0][0])
 
 
 def _who(ranks: list[int]) -> str:
