@@ -6,8 +6,9 @@
 Two Jupyter kernels live at once, each with 16 CPU ranks (gloo, 1 thread each) started by
 `%dist_start`: one imports nbdist from this tree, the other from REF checked out into a temporary
 git worktree (the output path before merged lines). Each round runs, on both kernels in
-alternating order, three `%%distributed` cells: 16 ranks × 1,000 lines that differ per rank, 16 ×
-1,000 lines alike on every rank, and a no-op cell (B2 through the magic, 20 in a row). Timed: from
+alternating order, two `%%distributed` cells: 16 ranks × 1,000 lines that differ per rank and 16 ×
+1,000 lines alike on every rank; then 40 no-op cells (B2 through the magic), one on each kernel in
+turn. Timed: from
 the execute request until the reply, with every stream message received (execute_interactive); the
 lines that reached the notebook are counted (each rank's, a merged line counting once per rank),
 and every rank's 1,000 lines must be there. Reported: medians per kernel and the median of the
@@ -160,11 +161,15 @@ def one_round(kernels: dict[str, Kernel], order: list[str]) -> dict[str, dict[st
             out[side][name + "_cpu"] = kernels[side].cpu() - cpu
             got = rank_lines(text)
             assert got == RANKS * LINES, f"{side} {name}: {got} of {RANKS * LINES} lines shown"
+    # one no-op cell on each kernel in turn: the load on shared cores moves between blocks
+    times: dict[str, list[float]] = {side: [] for side in order}
+    cpu = {side: kernels[side].cpu() for side in order}
+    for _ in range(NOOPS):
+        for side in order:
+            times[side].append(kernels[side].run("%%distributed\npass")[0])
     for side in order:
-        cpu = kernels[side].cpu()
-        times = [kernels[side].run("%%distributed\npass")[0] for _ in range(NOOPS)]
-        out[side]["noop"] = statistics.median(times)
-        out[side]["noop_cpu"] = kernels[side].cpu() - cpu
+        out[side]["noop"] = statistics.median(times[side])
+        out[side]["noop_cpu"] = kernels[side].cpu() - cpu[side]
     return out
 
 
