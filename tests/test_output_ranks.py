@@ -3,8 +3,8 @@ lines alike on every rank shown once, the per-rank view and its saved form, one 
 loop, plain-text errors, `--output ranks|raw`, a long output's head and end with every line kept
 in the rank's log, and one rank's 200 kB of stderr not holding the others' lines back.
 
-The 8-rank cases run twice: over the direct channel (local ranks) and through ipyparallel's
-controller (how ranks on other machines are reached), which must read the same."""
+Every rank's output, local or on another host, comes over the one cell channel into the same
+`CellOutput` and sink, so what is checked here holds for remote ranks too."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ _SETUP = """%load_ext nbdist
 import nbdist.config
 # a loaded test machine may start 8 ranks' cells 100 ms apart: lines wait up to 1 s for company
 nbdist.config.DEFAULT.output_interval = 1.0
-nbdist.config.DEFAULT.direct_cells = {direct}
 %dist_start -n {n} --threads 1"""
 
 
@@ -46,13 +45,13 @@ class Kernel:
         return results[0]
 
 
-def _kernel(tmp_path: Path, n: int, direct: bool) -> Iterator[Kernel]:
+def _kernel(tmp_path: Path, n: int) -> Iterator[Kernel]:
     from jupyter_client.manager import start_new_kernel
 
     manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
     try:
         kernel = Kernel(client)
-        kernel.run(_SETUP.format(n=n, direct=direct))
+        kernel.run(_SETUP.format(n=n))
         yield kernel
     finally:
         try:
@@ -62,15 +61,14 @@ def _kernel(tmp_path: Path, n: int, direct: bool) -> Iterator[Kernel]:
             manager.shutdown_kernel(now=False)
 
 
-@pytest.fixture(scope="module", params=["direct", "ipyparallel"])
-def kernel8(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[Kernel]:
-    yield from _kernel(tmp_path_factory.mktemp("k8"), 8, request.param == "direct")
+@pytest.fixture(scope="module")
+def kernel8(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
+    yield from _kernel(tmp_path_factory.mktemp("k8"), 8)
 
 
 @pytest.fixture(scope="module")
 def kernel16(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Kernel]:
-    yield from _kernel(tmp_path_factory.mktemp("k16"), 16, True)
+    yield from _kernel(tmp_path_factory.mktemp("k16"), 16)
 
 
 def _stream(messages: list[tuple[float, dict]], name: str | None = None) -> str:

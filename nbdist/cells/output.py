@@ -1,6 +1,6 @@
 """Where a running cell's live output goes: the `OutputSink` protocol the notebook implements,
 `NullSink` for callers that only want the result, and `CellOutput`, which every rank's text
-passes through on its way there (whichever transport brought it): each rank's whole log on disk,
+passes through on its way there (local or remote rank alike): each rank's whole log on disk,
 the head and the end of a flood, and the sink's pacing."""
 
 from __future__ import annotations

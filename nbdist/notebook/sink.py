@@ -2,8 +2,8 @@
 updated in place, the per-rank view on many ranks, rich displays and values.
 
 Plain printing to the kernel's stdout/stderr, which Jupyter streams live and a saved notebook keeps
-as text. Both cell transports feed it the same way (``nbdist.cells.output.CellOutput``); what it
-shows is docs/OUTPUT.md.
+as text. Every rank's text reaches it through ``nbdist.cells.output.CellOutput``, local or remote
+alike; what it shows is docs/OUTPUT.md.
 """
 
 from __future__ import annotations
