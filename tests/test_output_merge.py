@@ -20,7 +20,7 @@ from nbdist.cells.output_log import read_log
 from nbdist.cells.result import CellResult, RankError
 from nbdist.cluster.ranks import parse_ranks
 from nbdist.config import NbdistConfig
-from nbdist.errors import DistributedCellError
+from nbdist.errors import DistributedCellError, NbdistError
 from nbdist.notebook.progress import render_loop, visible_text
 from nbdist.notebook.rank_board import RankBoard, static_bundle
 from nbdist.notebook.sink import NotebookSink
@@ -238,8 +238,8 @@ def test_a_failure_reads_as_plain_text_and_renders_in_colour() -> None:
 
 
 def test_the_output_mode_is_checked_where_it_is_set() -> None:
-    with pytest.raises(ValueError, match="one of merged, ranks, raw"):
-        NbdistConfig(output="loud")
+    with pytest.raises(NbdistError, match="output_mode 'loud': one of merged, ranks, raw"):
+        NbdistConfig(output_mode="loud")
 
 
 def test_raw_output_holds_nothing_back_and_ranks_output_writes_blocks() -> None:

@@ -42,7 +42,7 @@ def ranks_label(ranks: list[int], color: bool = True) -> str:
 
 class NotebookSink:
     """Streams each rank's output live; `output` is "merged", "ranks" or "raw"
-    (NbdistConfig.output). `ranks`: the ranks the cell runs on (None: not known, so a line waits
+    (NbdistConfig.output_mode). `ranks`: the ranks the cell runs on (None: not known, so a line waits
     its whole interval for the same line from others)."""
 
     def __init__(self, only_rank0: bool = False, dashboard_factory: Any = None, *,
