@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import re
+from collections.abc import Iterator
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
@@ -25,6 +26,18 @@ from nbdist.notebook.progress import render_loop, visible_text
 from nbdist.notebook.rank_board import RankBoard, static_bundle
 from nbdist.notebook.sink import NotebookSink
 from tests.sinks import RecordingSink
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _plain_terminal() -> Iterator[None]:
+    """These tests read what a terminal gets (no colour), whatever IPython shell an earlier test
+    in this process left behind: get_ipython() stays set once a shell was made."""
+    from nbdist.notebook import sink
+
+    original = sink._in_ipython
+    sink._in_ipython = lambda: False
+    yield
+    sink._in_ipython = original
 
 INTERVAL = 0.1
 _LABEL = re.compile(r"^\[ranks? ([\d,-]+)\] (.*)$")
