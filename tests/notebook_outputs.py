@@ -78,9 +78,12 @@ def _structure(cell: nbformat.NotebookNode) -> set[str]:
 
 
 def cell_numbers(cell: nbformat.NotebookNode) -> list[float]:
-    """Every number of the text a cell shows, each output's lines sorted (ranks interleave)."""
+    """Every number of the text a cell shows, each output's lines sorted (ranks interleave),
+    stdout before stderr (which of them a rank wrote to first is timing too)."""
     numbers: list[float] = []
-    for output in cell.get("outputs", []):
+    outputs = cell.get("outputs", [])
+    streams = sorted((o for o in outputs if o["output_type"] == "stream"), key=lambda o: o["name"])
+    for output in streams + [o for o in outputs if o["output_type"] != "stream"]:
         if output["output_type"] == "stream":
             lines = _per_rank(output["text"])
         else:
