@@ -4,12 +4,11 @@ button and a headless run never leave a rank hanging."""
 
 from __future__ import annotations
 
-import builtins
 from typing import Any
 
-import pytest
 from IPython.core.error import StdinNotImplementedError
 
+from tests.rank_parity import scripted_input
 from tests.sinks import RecordingSink
 
 # Rank 1 stops inside scale() while rank 0 goes on into the all_reduce and waits there.
@@ -28,23 +27,6 @@ out.tolist()
 """
 
 
-def _scripted_input(monkeypatch: pytest.MonkeyPatch, answers: list[Any]) -> list[str]:
-    """builtins.input answers from `answers` (an exception instance is raised); returns the
-    prompts it was asked with."""
-    prompts: list[str] = []
-    remaining = iter(answers)
-
-    def ask(prompt: str = "") -> str:
-        prompts.append(prompt)
-        answer = next(remaining)
-        if isinstance(answer, BaseException):
-            raise answer
-        return answer
-
-    monkeypatch.setattr(builtins, "input", ask)
-    return prompts
-
-
 def _collective_works(cluster: Any) -> None:
     after = cluster.run("t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()", timeout=30)
     after.raise_for_errors()
@@ -52,7 +34,7 @@ def _collective_works(cluster: Any) -> None:
 
 
 def test_step_print_and_continue(cluster2, monkeypatch):
-    prompts = _scripted_input(monkeypatch, ["p x", "n", "p y", "c"])
+    prompts = scripted_input(monkeypatch, ["p x", "n", "p y", "c"])
     sink = RecordingSink()
     result = cluster2.run(CELL, sink=sink, timeout=60)
     result.raise_for_errors()
@@ -68,7 +50,7 @@ def test_step_print_and_continue(cluster2, monkeypatch):
 
 
 def test_quit_fails_the_rank_and_releases_its_peer(cluster2, monkeypatch):
-    _scripted_input(monkeypatch, ["q"])
+    scripted_input(monkeypatch, ["q"])
     result = cluster2.run(CELL, timeout=60)
     assert result.errors[1].kind == "root" and result.errors[1].ename == "BdbQuit"
     assert result.errors[0].kind == "collective"  # released by the normal fault policy
@@ -79,7 +61,7 @@ def test_quit_fails_the_rank_and_releases_its_peer(cluster2, monkeypatch):
 def test_stepping_past_the_end_of_the_cell_lets_it_finish(cluster2, monkeypatch):
     """`n` past the cell's last line leaves the cell: nbdist's after-cell code runs untraced (no
     one would answer a prompt there, and it holds the telemetry lock)."""
-    prompts = _scripted_input(monkeypatch, ["n"] * 20)
+    prompts = scripted_input(monkeypatch, ["n"] * 20)
     result = cluster2.run("a = 1\nbreakpoint()\nb = a + 1\nb", ranks=[1], timeout=30)
     result.raise_for_errors()
     assert result.grouped_values() == [([1], "2")] and 2 <= len(prompts) < 20
@@ -87,7 +69,7 @@ def test_stepping_past_the_end_of_the_cell_lets_it_finish(cluster2, monkeypatch)
 
 
 def test_headless_run_continues_and_says_so_once(cluster2, monkeypatch):
-    prompts = _scripted_input(monkeypatch, [StdinNotImplementedError("no stdin")])
+    prompts = scripted_input(monkeypatch, [StdinNotImplementedError("no stdin")])
     sink = RecordingSink()
     looped = "for step in range(3):\n    if rank == 1:\n        breakpoint()\n" + CELL
     result = cluster2.run(looped, sink=sink, timeout=60)
@@ -99,7 +81,7 @@ def test_headless_run_continues_and_says_so_once(cluster2, monkeypatch):
 
 
 def test_stop_button_at_the_prompt_interrupts_the_ranks(cluster2, monkeypatch):
-    _scripted_input(monkeypatch, ["p x", KeyboardInterrupt()])
+    scripted_input(monkeypatch, ["p x", KeyboardInterrupt()])
     result = cluster2.run(CELL, timeout=60)
     assert result.interrupted
     assert result.errors[1].ename == "KeyboardInterrupt"
@@ -109,7 +91,7 @@ def test_stop_button_at_the_prompt_interrupts_the_ranks(cluster2, monkeypatch):
 
 
 def test_without_the_channel_or_outside_the_main_thread_it_says_why(cluster2, monkeypatch):
-    prompts = _scripted_input(monkeypatch, [])
+    prompts = scripted_input(monkeypatch, [])
     result = cluster2.run(
         "import threading\nfrom nbdist.worker import cell_channel\n"
         "worker = threading.Thread(target=breakpoint)\nworker.start(); worker.join()\n"
