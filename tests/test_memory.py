@@ -30,8 +30,9 @@ def test_breakdown_is_exact_gathered_and_leaves_training_alone(ranks2_on_device:
         assert 8 * psi <= row["optimizer"] <= 8 * psi + 64  # Adam's two moments (+ step scalars)
         assert 0 < row["activations"] < 2 * psi
         assert row["other"] is not None and row["allocated"] >= row["model_states"]
-    # the measuring forward's saved tensors die with it (an autograd cycle once kept them all)
-    assert ranks2.pull("leaked") == {0: 0, 1: 0}
+    # the measuring forward's saved tensors die with it (an autograd cycle once kept them all, so
+    # a leak shows as more live tensors after); fewer after is fine: a rank's threads free theirs
+    assert all(n <= 0 for n in ranks2.pull("leaked").values())
     html = ranks2.pull("html")[0]
     assert "<svg" in html and "rank 1" in html
     # the measuring forward dropped its graph: training continues exactly as without it
