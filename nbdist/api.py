@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from nbdist.cells import debug as debugging
+from nbdist.cells import post_mortem
 from nbdist.cells.collectives_view import (
     CollectivesView,
     collectives_table,
@@ -19,9 +19,9 @@ from nbdist.cells.collectives_view import (
     save_trace,
 )
 from nbdist.cells.diff import FETCH_LIMIT, DiffReport, diff_ranks
+from nbdist.cells.execute import OutputSink, run_cell
 from nbdist.cells.profiling import collect_last_profile, run_profiled
 from nbdist.cells.result import CellResult
-from nbdist.cells.runner import OutputSink, run_cell
 from nbdist.cluster import attach as attaching
 from nbdist.cluster.arguments import (
     check_code,
@@ -128,14 +128,14 @@ class Cluster(ClusterCore):
         return diff_ranks(self, expr, ranks=None if ranks is None else list(ranks), full=full,
                           fetch_limit=fetch_limit)
 
-    def debug(self, rank: int | None = None, ask: debugging.Ask | None = None,
-              show: debugging.Show = print) -> int:
+    def debug(self, rank: int | None = None, ask: post_mortem.Ask | None = None,
+              show: post_mortem.Show = print) -> int:
         """Post-mortem pdb on a rank's failed cell (default: the last cell's first root cause),
         one command per `ask(prompt)` (default `input`, looked up now: ipykernel replaces it
         for each cell); returns the number of commands run."""
         self._require_running()
-        rank = self.targets([debugging.pick_rank(self.last_result, rank)])[0]
-        return debugging.debug_rank(self, rank, ask or (lambda prompt: input(prompt)), show)
+        rank = self.targets([post_mortem.pick_rank(self.last_result, rank)])[0]
+        return post_mortem.debug_rank(self, rank, ask or (lambda prompt: input(prompt)), show)
 
     def run_script(self, path: str, args: Sequence[str] = (), ranks: Iterable[int] | None = None,
                    timeout: float | None = None, sink: OutputSink | None = None) -> CellResult:

@@ -9,7 +9,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.testing import globalipapp
 
-from nbdist.cells.debug import pick_rank
+from nbdist.cells.post_mortem import pick_rank
 from nbdist.cells.result import CellResult
 from nbdist.errors import NbdistError
 from nbdist.notebook import magics

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbdist.cells.flight_verdict import mismatches
-from nbdist.cluster.remote import gather
+from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
 from nbdist.text import render_table
 from nbdist.worker import bootstrap

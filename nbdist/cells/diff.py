@@ -8,8 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from nbdist.cluster.gather import gather
 from nbdist.cluster.ranks import format_ranks
-from nbdist.cluster.remote import gather
 from nbdist.errors import NbdistError
 from nbdist.text import render_table
 from nbdist.worker import diffing

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from nbdist.cells.flight_verdict import Readings, verdict
-from nbdist.cells.running import RunningCell, finished_with_error
+from nbdist.cells.running_cell import RunningCell, finished_with_error
 from nbdist.cells.whereabouts import (
     cell_line,
     cell_reports,

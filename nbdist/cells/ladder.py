@@ -7,7 +7,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 
-from nbdist.cells.running import RunningCell
+from nbdist.cells.running_cell import RunningCell
 from nbdist.cells.whereabouts import blocked_in_collective, telemetry_time, where_text
 from nbdist.cluster.ranks import format_ranks
 

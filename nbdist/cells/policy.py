@@ -20,7 +20,7 @@ from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
 from nbdist.cells.rank_errors import CXX_EXCEPTION, classify_errors
-from nbdist.cells.running import RunningCell, finished_with_error
+from nbdist.cells.running_cell import RunningCell, finished_with_error
 from nbdist.cells.whereabouts import (
     blocked_in_collective,
     cell_reports,

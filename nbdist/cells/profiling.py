@@ -6,10 +6,10 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
+from nbdist.cells.execute import run_cell
 from nbdist.cells.output import OutputSink
 from nbdist.cells.result import CellResult
-from nbdist.cells.runner import run_cell
-from nbdist.cluster.remote import gather
+from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
 from nbdist.profiler import ProfileReport, build_report
 from nbdist.worker import profiling

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nbdist.cluster.remote import gather
+from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
 from nbdist.worker import bootstrap
 

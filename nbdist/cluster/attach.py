@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from nbdist.cluster.remote import gather
+from nbdist.cluster.gather import gather
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError
 from nbdist.worker import bootstrap

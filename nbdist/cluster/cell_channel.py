@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nbdist.cluster.remote import Gathered
+from nbdist.cluster.gather import Gathered
 from nbdist.worker.cell_channel import (
     CALL_REQUEST,
     CELL_REPLY,

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from subprocess import CalledProcessError
 from typing import Any
 
-from nbdist.cluster import registered, slurm, watchdog
+from nbdist.cluster import our_engines, slurm, watchdog
 from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess, start_fork_server
 from nbdist.cluster.launchers import (
     ENGINE_LOG_NOISE,
@@ -197,7 +197,7 @@ class Engines:
         launchers = self.launchers()
         if not launchers or not all(has_local_pid(la) for la in launchers):
             return []  # remote PIDs say nothing here
-        return registered.strangers(client, engine_ids, {pid for pid, _ct in self.local_pids()})
+        return our_engines.strangers(client, engine_ids, {pid for pid, _ct in self.local_pids()})
 
     def controller_output(self, lines: int = 30) -> str:
         return tail(self.ipp.controller.get_output(), lines)

@@ -13,9 +13,9 @@ from typing import Any
 
 from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.cell_channel import ChannelEndpoint, NotebookChannel
+from nbdist.cluster.gather import gather
 from nbdist.cluster.rank_setup import collect
 from nbdist.cluster.ranks import RankProcess
-from nbdist.cluster.remote import gather
 from nbdist.errors import ClusterStartError, Interrupted, NbdistError
 from nbdist.worker import bootstrap
 

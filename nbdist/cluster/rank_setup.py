@@ -15,6 +15,7 @@ from typing import Any
 
 from nbdist import torch_support
 from nbdist.cluster.cell_channel import NotebookChannel
+from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import LauncherPlan
 from nbdist.cluster.ranks import (
     EngineInfo,
@@ -26,7 +27,6 @@ from nbdist.cluster.ranks import (
     disjoint,
     gpu_shortfall,
 )
-from nbdist.cluster.remote import gather
 from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engine
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistWarning

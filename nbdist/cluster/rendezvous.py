@@ -11,9 +11,9 @@ import socket
 from typing import Any
 
 from nbdist.cluster import watchdog
+from nbdist.cluster.gather import short_error
 from nbdist.cluster.launchers import warn_unauthenticated_rendezvous
 from nbdist.cluster.ranks import RankSpec
-from nbdist.cluster.remote import short_error
 from nbdist.errors import ClusterStartError
 from nbdist.worker import net
 

@@ -3,7 +3,7 @@ notebook, written as one script that runs the same under torchrun."""
 
 from nbdist.export.exporter import DEFAULT_NPROC, ExportReport, export_session
 from nbdist.export.run import script_cell
-from nbdist.export.script import export_script, script_head, write_script
+from nbdist.export.script_text import export_script, script_head, write_script
 from nbdist.export.session_log import PushedValue, SessionLog, describe_failure
 from nbdist.export.sources import SKIP_TAGS, cells_from_history, cells_from_notebook, notebook_log
 from nbdist.export.steps import (

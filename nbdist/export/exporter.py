@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from nbdist.export.script import write_script
+from nbdist.export.script_text import write_script
 from nbdist.export.session_log import SessionLog
 from nbdist.export.sources import cells_from_history, cells_from_notebook, notebook_log
 from nbdist.export.steps import DistributedCell, Step, failed_cells, placeholders, script_steps

@@ -19,13 +19,13 @@ from nbdist.worker import (
     collectives,
     devices,
     flight_recorder,
+    init_calls,
     launcher_calls,
     net,
     non_interactive,
     process_group,
     profiling,
     release,
-    script_calls,
     tracebacks,
 )
 from nbdist.worker.agent import TelemetryAgent, install_agent
@@ -180,7 +180,7 @@ def _define_names(shell: Any, spec: RankSpec, device: Any) -> None:
 
     collectives.install()
     release.watch_new_groups()  # a sub-group's collective is released like the world's
-    script_calls.install()  # a pasted script's init/destroy_process_group and rpc.init_rpc
+    init_calls.install()  # a pasted script's init/destroy_process_group and rpc.init_rpc
     launcher_calls.install(spec.rank, spec.world_size, shell)  # mp.spawn, !torchrun, ...
     shell.user_ns.update(
         rank=spec.rank,
@@ -203,7 +203,7 @@ def _start_telemetry(shell: Any, rank: int, config: NbdistConfig, device: Any) -
     agent.blocked_since = collectives.TRACKER.blocked_since
     release.report_hook = _report_where
     agent.register("where", _where)
-    agent.register("group", script_calls.group_state)  # the cell destroyed the world group?
+    agent.register("group", init_calls.group_state)  # the cell destroyed the world group?
     # Both providers are part of nbdist and never raise: one that cannot work on this rank
     # records why in agent.provider_errors, and the rank comes up without it. The genuinely
     # optional piece (pynvml, for GPU memory beyond torch's allocator) is the sampler's to skip.
@@ -253,7 +253,7 @@ def _report_where() -> None:
 
 def _pre_run_cell(*_: Any) -> None:
     collectives.TRACKER.reset_cell()
-    script_calls.cell_started()
+    init_calls.cell_started()
     launcher_calls.cell_started()
     profiling.cell_started()  # a profiled cell's window starts here, not at the profiler's start
     if RUNTIME.agent is not None:

@@ -4,7 +4,7 @@
 given a rank as first argument, and accelerate's `notebook_launcher` run their target here, in
 place, with a one-line note; any other count, and a shell launcher (`!torchrun`, `!deepspeed`,
 `!accelerate launch`), is an error that says what to write instead. Same wrappers as
-`script_calls`: the pasted code runs unchanged.
+`init_calls`: the pasted code runs unchanged.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.worker.script_calls import NOTE_PREFIX, wrap
+from nbdist.worker.init_calls import NOTE_PREFIX, wrap
 
 LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
 """Lightning's launchers return rank 0's result to a parent that a rank does not have."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Any
 
@@ -62,7 +63,7 @@ def init_generation(
         kwargs["store"] = dist.FileStore(store_path, world_size)
     else:
         kwargs["store"] = _tcp_store(master_addr, port, rank, world_size, timeout_s)
-    # torch's own function: `dist.init_process_group` is the cells' wrapper (script_calls)
+    # torch's own function: `dist.init_process_group` is the cells' wrapper (init_calls)
     distributed_c10d.init_process_group(
         backend=torch_backend(backend),
         rank=rank,
@@ -145,7 +146,6 @@ def teardown() -> bool:
     fail under it.
     """
     import gc
-    import sys
 
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
@@ -180,13 +180,9 @@ def teardown() -> bool:
 
 
 def _drop_last_traceback() -> None:
-    import sys
-
-    from nbdist.worker import last_error
-
     # %dist_debug still wants the rank's own error: keep it (the group's sockets are shut down
     # already, so holding the user's frames no longer holds any peer)
-    last_error.keep(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+    _keep_error(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
     for name in ("last_traceback", "last_value", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
@@ -204,3 +200,16 @@ def is_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
+
+
+_KEPT_ERROR: list[BaseException] = []
+
+
+def _keep_error(exc: BaseException | None) -> None:
+    if exc is not None:
+        _KEPT_ERROR[:] = [exc]
+
+
+def kept_error() -> BaseException | None:
+    """The rank's last cell error as the teardown found it, for `%dist_debug`."""
+    return _KEPT_ERROR[0] if _KEPT_ERROR else None

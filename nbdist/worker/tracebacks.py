@@ -51,11 +51,17 @@ def _note_old_torch(etype: type, value: BaseException) -> None:
         value.add_note(note)
 
 
+def first_cell_frame(tb: Any) -> Any:
+    """The traceback from the first cell frame on; None when no frame is a cell's (an error in a
+    call the notebook made, not in a cell)."""
+    while tb is not None and not is_cell_file(tb.tb_frame.f_code.co_filename):
+        tb = tb.tb_next
+    return tb
+
+
 def plain(etype: type, value: BaseException, tb: Any) -> list[str]:
     """Python's own format, from the first cell frame on (IPython's own frames dropped)."""
-    start = tb
-    while start is not None and not is_cell_file(start.tb_frame.f_code.co_filename):
-        start = start.tb_next
+    start = first_cell_frame(tb)
     lines = _traceback.format_exception(etype, value, start if start is not None else tb)
     return ["".join(lines).rstrip("\n")]
 

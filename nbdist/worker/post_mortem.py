@@ -1,9 +1,9 @@
 """Rank side of `%dist_debug`: a post-mortem `pdb.Pdb` on the rank's last failed cell, kept
 between calls, that runs one command at a time and returns what it printed.
 
-The notebook drives it (`nbdist.cells.debug`), so tensors stay on the rank. The traceback is the
-one IPython saved (`sys.last_exc` / `sys.last_value`), or, when nbdist's process-group teardown
-cleared those to release a peer from a collective, the copy it kept (`worker/last_error.py`).
+The notebook drives it (`nbdist.cells.post_mortem`), so tensors stay on the rank. The traceback
+is the one IPython saved (`sys.last_exc` / `sys.last_value`), or, when nbdist's process-group
+teardown cleared those to release a peer from a collective, the copy it kept.
 """
 
 from __future__ import annotations
@@ -14,8 +14,14 @@ import pdb
 import sys
 from typing import Any
 
-from nbdist.worker.collectives import is_cell_file
-from nbdist.worker.last_error import last_exception
+from nbdist.worker import process_group
+from nbdist.worker.tracebacks import first_cell_frame
+
+
+def last_exception() -> BaseException | None:
+    return (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+            or process_group.kept_error())
+
 
 QUIT_COMMANDS = frozenset({"q", "quit", "exit", "c", "cont", "continue"})
 """End the session: the rank is never resumed (post-mortem), so continue means quit too."""
@@ -30,7 +36,7 @@ class PostMortem:
         self.pdb = pdb.Pdb(stdin=io.StringIO(), stdout=self.output, readrc=False)
         self.pdb.prompt = ""
         self.pdb.reset()
-        self.pdb.setup(None, _from_cell(traceback) or traceback)
+        self.pdb.setup(None, first_cell_frame(traceback) or traceback)
 
     def current(self) -> str:
         """The frame the session is in, as pdb shows it on entry (`> file(line)func()`)."""
@@ -80,7 +86,7 @@ def start() -> dict[str, Any]:
         return {"ok": False, "error": "", "text": "no traceback to debug on this rank (its last "
                 "cell did not fail, or the traceback was dropped when its process group was "
                 "torn down)"}
-    if _from_cell(tb) is None:
+    if first_cell_frame(tb) is None:
         return {"ok": False, "error": "", "text": f"the last error on this rank ({last_error()}) "
                 "was not raised in a cell"}
     _SESSION = PostMortem(tb)
@@ -102,12 +108,3 @@ def stop() -> None:
     if _SESSION is not None:
         _SESSION.close()
     _SESSION = None
-
-
-def _from_cell(tb: Any) -> Any:
-    """Skip IPython's frames above the cell (as `nbdist.worker.tracebacks.plain` does); None when
-    no frame is a cell's (an error in a call the notebook made, not in a cell)."""
-    start = tb
-    while start is not None and not is_cell_file(start.tb_frame.f_code.co_filename):
-        start = start.tb_next
-    return start

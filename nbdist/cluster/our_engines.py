@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-from nbdist.cluster.remote import gather
+from nbdist.cluster.gather import gather
 
 _ANSWER_SECONDS = 10.0
 """How long a registered engine gets to tell its PID; a live one answers in milliseconds, a dead

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 
 class RunningCell(Protocol):
-    """The part of `nbdist.cells.runner.CellRun` that fault handling uses."""
+    """The part of `nbdist.cells.execute.CellRun` that fault handling uses."""
 
     cluster: ClusterCore
     config: NbdistConfig

@@ -17,7 +17,7 @@ from nbdist.cells.policy import FaultPolicy
 from nbdist.cells.rank_errors import dead_rank_error, rank_error_from_remote
 from nbdist.cells.rank_output import RankOutput, read_message
 from nbdist.cells.result import CellResult, RankError
-from nbdist.cells.running import finished_with_error
+from nbdist.cells.running_cell import finished_with_error
 from nbdist.cells.syntax import check_syntax
 from nbdist.cells.widgets import relay_widgets
 from nbdist.cluster.cell_channel import SEND_TIMEOUT_MS

@@ -1,6 +1,6 @@
 """`%dist_debug`: IPython's `%debug`, but on a rank. The notebook asks for each command
 (`ask(prompt)`, `input` in a kernel) and shows what the rank's post-mortem pdb printed (`show`);
-the debugger itself runs on the rank (`nbdist.worker.debugging`), so tensors stay there."""
+the debugger itself runs on the rank (`nbdist.worker.post_mortem`), so tensors stay there."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.cells.result import CellResult
-from nbdist.cluster.remote import gather
+from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
-from nbdist.worker import debugging
+from nbdist.worker import post_mortem
 
 Ask = Callable[[str], str]
 Show = Callable[[str], None]
@@ -35,7 +35,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
     are left as they were."""
     view = cluster.view(rank)
     timeout = cluster.config.start.bootstrap_timeout
-    opened = _call(view, rank, timeout, debugging.start)
+    opened = _call(view, rank, timeout, post_mortem.start)
     if not opened["ok"]:
         show(f"nbdist: rank {rank}: {opened['text']}")
         return 0
@@ -49,7 +49,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
                 line = ask(prompt)
             except (EOFError, KeyboardInterrupt):
                 line = "q"
-            reply = _call(view, rank, timeout, debugging.command, line)
+            reply = _call(view, rank, timeout, post_mortem.command, line)
             if reply["text"]:
                 show(reply["text"].rstrip("\n"))
             if reply["done"]:
@@ -57,7 +57,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
             count += 1
     finally:
         # a failed ask (or an error here) must not leave the rank holding the session's frames
-        _call(view, rank, timeout, debugging.stop)
+        _call(view, rank, timeout, post_mortem.stop)
 
 
 def _call(view: Any, rank: int, timeout: float, fn: Callable[..., Any], *args: Any) -> Any:
