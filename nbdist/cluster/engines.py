@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from subprocess import CalledProcessError
 from typing import Any
 
+from nbdist import ipp_compat
 from nbdist.cluster import our_engines, slurm, watchdog
 from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess, start_fork_server
 from nbdist.cluster.launchers import (
@@ -124,7 +124,7 @@ class Engines:
             if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
                 launcher.on_stop(self.on_exit)
                 self._launchers_by_pid[launcher.pid] = launcher
-                _run_wait_thread_callbacks_at_once(launcher)
+                ipp_compat.run_wait_callbacks_at_once(launcher)
         if cold := {getattr(la, "fallback_reason", "") for la in self.launchers()} - {""}:
             self.progress(f"engines started cold, not forked: {'; '.join(sorted(cold))}")
 
@@ -264,31 +264,13 @@ class Engines:
         """Drop ipyparallel's Cluster (its processes are already stopped), ending its wait threads."""
         if self.ipp is None:
             return
-        for launcher in self.launchers():
-            if hasattr(launcher, "_stop_waiting"):
-                launcher._stop_waiting.set()
-        deadline = time.monotonic() + 1.0  # an exit still being reported rewrites the cluster
-        for launcher in self._launchers_by_pid.values():  # file: after the workdir went, it stayed
-            launcher._wait_thread.join(timeout=max(0.0, deadline - time.monotonic()))
-        _end_loop_thread(self.ipp, self.config.start.stop_timeout)
+        # an exit still being reported rewrites the cluster file: after the workdir went, it stayed
+        ipp_compat.end_wait_threads(self.launchers(), list(self._launchers_by_pid.values()), 1.0)
+        ipp_compat.end_loop_thread(self.ipp, self.config.start.stop_timeout)
         self.ipp = None
         if self.fork_server is not None:
             self.fork_server.reap()
             self.fork_server = None
-
-
-def _end_loop_thread(ipp: Any, timeout: float) -> None:
-    """ipyparallel runs its Cluster's coroutines on a thread of its own when the caller already
-    has a running event loop (a kernel always has) and never ends it: one thread and its loop's
-    file descriptors per %dist_start. End it with the Cluster."""
-    thread = getattr(ipp, "_async_thread", None)
-    loop = getattr(ipp, "_thread_loop", None)
-    if thread is None or loop is None:
-        return
-    loop.add_callback(loop.stop)
-    thread.join(timeout=timeout)
-    if not thread.is_alive():
-        loop.close(all_fds=False)
 
 
 def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:
@@ -348,28 +330,6 @@ def _engines_restore_umask(plan: LauncherPlan, user_umask: int) -> None:
     environment = dict(engine_set.environment) if "environment" in engine_set else {}
     environment.setdefault(USER_UMASK_ENV, f"{user_umask:03o}")
     engine_set.environment = environment
-
-
-def _run_wait_thread_callbacks_at_once(launcher: Any) -> None:
-    """ipyparallel's wait thread reaps the engine (getting -9, -11...) but hands the status
-    to an event loop that a notebook kernel does not run, so on_stop never fires. Run those
-    hand-offs at once when they come from a launcher's wait thread."""
-    loop = launcher.loop
-    if getattr(loop, "_nbdist_wait_passthrough", False):
-        return
-    original = loop.add_callback
-
-    def add_callback(callback: Any, *args: Any, **kwargs: Any) -> None:
-        if threading.current_thread().name.startswith("wait(pid="):
-            try:
-                callback(*args, **kwargs)
-                return
-            except Exception:
-                pass
-        original(callback, *args, **kwargs)
-
-    loop.add_callback = add_callback
-    loop._nbdist_wait_passthrough = True
 
 
 def _log_tails(launchers: list[Any], lines: int = 15) -> str:

@@ -11,6 +11,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, Protocol
 
+from nbdist import ipp_compat
 from nbdist.cluster import watchdog
 from nbdist.cluster.processes import OwnedProcesses
 from nbdist.cluster.ranks import RankProcess
@@ -59,19 +60,8 @@ class Liveness:
         """Mark a remote rank dead the moment the controller drops its engine, before
         ipyparallel turns its running task into an EngineError, so a cell reports "died" (with
         the host) rather than "raised". Remote PIDs cannot be polled; this is how we learn."""
-        handlers = getattr(client, "_notification_handlers", None)
-        if not isinstance(handlers, dict) or "unregistration_notification" not in handlers:
-            return  # poll_dead still notices through client.ids, only later
-        original = handlers["unregistration_notification"]
-
-        def on_unregister(msg: Any) -> None:
-            try:
-                self.engine_lost(int(msg["content"]["id"]))
-            except Exception:
-                pass
-            original(msg)
-
-        handlers["unregistration_notification"] = on_unregister
+        # without the hook, poll_dead still notices through client.ids, only later
+        ipp_compat.on_unregistration(client, self.engine_lost)
 
     def engine_lost(self, engine_id: int) -> None:
         """Runs on ipyparallel's IO thread: the rank is dead at once (a cell finishing now must

@@ -10,6 +10,7 @@ import os
 import socket
 from typing import Any
 
+from nbdist import ipp_compat
 from nbdist.cluster import watchdog
 from nbdist.cluster.gather import short_error
 from nbdist.cluster.launchers import warn_unauthenticated_rendezvous
@@ -131,7 +132,7 @@ def controller_host(client: Any) -> str | None:
     """The controller's address as engines see it (the peer ranks route towards)."""
     if client is None:
         return None
-    cfg = getattr(client, "_config", {}) or {}
+    cfg = ipp_compat.client_connection(client)
     interface = str(cfg.get("interface", ""))
     host = interface.split("://", 1)[-1]
     if host in ("", "*", "0.0.0.0"):

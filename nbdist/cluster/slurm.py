@@ -214,7 +214,7 @@ class SlurmJob:
             with open(path, errors="replace") as f:
                 text = f.read()
         except OSError:
-            text = getattr(self.launcher, "_output", None) or ""
+            text = ""
         return (f"--- Slurm job {self.job_id} log {path} (last {lines} lines) ---\n"
                 + tail(text, lines, skip=ENGINE_LOG_NOISE))
 

@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist import ipp_compat
+
 CELL_REQUEST = "nbdist_cell"
 CELL_REPLY = "nbdist_reply"
 CALL_REQUEST = "nbdist_call"
@@ -119,8 +121,8 @@ class CellServer:
         self.waiting: list[dict[str, Any]] = []  # requests that came while a cell ran
         self.stream = ZMQStream(self.requests, self.loop)
         self.stream.on_recv(self._on_request)
-        self.iopub = sys.stdout.pub_thread  # the engine's IOPubThread: every publisher's way out
-        self.iopub.send_multipart = self._forward  # an instance attribute: shadows the method
+        self.iopub = ipp_compat.iopub_thread()
+        ipp_compat.divert_iopub(self.iopub, self._forward)
 
     def _socket(self, kind: int) -> Any:
         socket = self.context.socket(kind)
@@ -152,7 +154,7 @@ class CellServer:
             self.setup = setup
 
     def close(self) -> None:
-        self.iopub.__dict__.pop("send_multipart", None)
+        ipp_compat.restore_iopub(self.iopub)
         self.stream.close(linger=0)
         with self.out.lock:
             self.out.socket.close(linger=0)
@@ -271,7 +273,7 @@ class CellServer:
         if idents is None and bytes(parts[0]).startswith(b"comm-"):
             idents = [NO_CELL, str(self.rank).encode()]
         if idents is None:
-            type(self.iopub).send_multipart(self.iopub, parts, *args, **kwargs)
+            ipp_compat.iopub_send(self.iopub, parts, *args, **kwargs)
             return
         self.out.send_multipart([*idents, *parts])
 

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from nbdist import torch_support
+from nbdist import ipp_compat, torch_support
 
 _GENERATION_STARTED = 0.0
 
@@ -190,8 +190,8 @@ def _drop_last_traceback() -> None:
         from IPython import get_ipython
 
         shell = get_ipython()
-        if shell is not None and hasattr(shell, "_last_traceback"):
-            shell._last_traceback = None
+        if shell is not None:
+            ipp_compat.forget_last_traceback(shell)
     except Exception:
         pass
 

@@ -15,7 +15,7 @@ import sys
 import traceback as _traceback
 from typing import Any
 
-from nbdist import torch_support
+from nbdist import ipp_compat, torch_support
 from nbdist.worker import memory_limit
 from nbdist.worker.collectives import is_cell_file, is_transport_failure
 
@@ -24,7 +24,7 @@ def install(shell: Any) -> None:
     # AttributeError: how a torch older than a feature needs fails (torch_support.FEATURES)
     shell.set_custom_exc((KeyboardInterrupt, RuntimeError, MemoryError, AttributeError), _format)
     # IPython's history keeps a second rendering of every error; the engines never need it
-    shell._format_exception_for_storage = _for_storage
+    ipp_compat.skip_stored_tracebacks(shell, _for_storage)
 
 
 def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
@@ -37,7 +37,7 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: A
             stb = plain(etype, value, tb)
         else:
             stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
-        shell._showtraceback(etype, value, stb)
+        ipp_compat.show_traceback(shell, etype, value, stb)
     return stb
 
 

@@ -1,0 +1,150 @@
+"""Each private ipyparallel / ipykernel / IPython attribute nbdist relies on (nbdist/ipp_compat.py),
+checked against the installed versions: on a real engine, IPython's real shell and a raw
+ipyparallel cluster. When one fails after an upgrade, pyproject.toml's cap is what to revisit."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from nbdist import Cluster, ipp_compat
+
+
+def _until(check: Callable[[], bool], what: str, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"no {what} within {timeout} s"
+        time.sleep(0.05)
+
+
+def test_iopub_thread_is_diverted_while_a_rank_runs_a_cell(cluster2: Cluster) -> None:
+    cluster2.run(
+        "from nbdist import ipp_compat\n"
+        "iopub = ipp_compat.iopub_thread()\n"
+        "kind = type(iopub).__module__ + '.' + type(iopub).__name__\n"
+        "diverted = 'send_multipart' in iopub.__dict__\n"
+        "own_send = callable(type(iopub).send_multipart)\n"
+        "print('through the channel')"
+    ).raise_for_errors()
+    assert set(cluster2.pull("kind").values()) == {"ipykernel.iostream.IOPubThread"}
+    assert cluster2.pull("diverted") == {0: True, 1: True}
+    assert cluster2.pull("own_send") == {0: True, 1: True}
+
+
+def test_iopub_divert_and_restore_on_a_thread_of_our_own() -> None:
+    import zmq
+    from ipykernel.iostream import IOPubThread
+
+    context = zmq.Context()
+    out, back = context.socket(zmq.PUSH), context.socket(zmq.PULL)
+    port = back.bind_to_random_port("tcp://127.0.0.1")
+    out.connect(f"tcp://127.0.0.1:{port}")
+    iopub = IOPubThread(out)  # not started: its own send goes straight to the socket
+    sent: list[list[Any]] = []
+    try:
+        ipp_compat.divert_iopub(iopub, lambda parts, *a, **k: sent.append(parts))
+        iopub.send_multipart([b"x"])
+        ipp_compat.restore_iopub(iopub)
+        assert "send_multipart" not in iopub.__dict__
+        ipp_compat.iopub_send(iopub, [b"y"])
+        assert back.poll(10_000) and back.recv_multipart() == [b"y"]
+    finally:
+        iopub.close()
+        back.close(linger=0)
+        context.destroy(linger=0)
+    assert sent == [[b"x"]]
+
+
+@pytest.fixture
+def shell() -> Any:
+    from IPython.testing import globalipapp
+
+    return globalipapp.start_ipython() or globalipapp.get_ipython()
+
+
+def test_stored_tracebacks_hook_is_what_history_calls(shell: Any) -> None:
+    assert hasattr(type(shell), "_format_exception_for_storage")
+    seen: list[str] = []
+
+    def store(exc: BaseException, **_: Any) -> dict[str, Any]:
+        seen.append(type(exc).__name__)
+        return {"ename": type(exc).__name__, "evalue": str(exc), "traceback": []}
+
+    ipp_compat.skip_stored_tracebacks(shell, store)
+    try:
+        shell.run_cell("1 / 0", store_history=True)
+    finally:
+        del shell._format_exception_for_storage
+    assert seen == ["ZeroDivisionError"]
+
+
+def test_show_traceback_prints_the_structured_traceback(shell: Any, capsys: Any) -> None:
+    ipp_compat.show_traceback(shell, ValueError, ValueError("bad"), ["line one", "ValueError: bad"])
+    assert "line one\nValueError: bad" in capsys.readouterr().out
+
+
+def test_forget_last_traceback(shell: Any) -> None:
+    shell.run_cell("1 / 0")
+    assert getattr(shell, "_last_traceback", "absent") is not None
+    ipp_compat.forget_last_traceback(shell)
+    assert getattr(shell, "_last_traceback", None) is None
+
+
+def test_ipyparallel_hooks_on_a_raw_cluster(tmp_path: Any) -> None:
+    """Started inside a running event loop, as in a kernel: ipyparallel then runs the Cluster on a
+    thread of its own (`_async_thread`), and its wait threads report exits through
+    `loop.add_callback`."""
+    import ipyparallel as ipp
+
+    found: dict[str, Any] = {}
+
+    async def in_a_kernel_like_loop() -> None:
+        cluster = ipp.Cluster(n=1, controller_ip="127.0.0.1", profile_dir=str(tmp_path),
+                              cluster_id="compat", log_level=40)
+        cluster.start_controller_sync()
+        cluster.start_engines_sync()
+        found["cluster"] = cluster
+        client = cluster.connect_client_sync()
+        try:
+            client.wait_for_engines(1, timeout=60)
+            found["connection"] = ipp_compat.client_connection(client)
+            lost: list[int] = []
+            found["hooked"] = ipp_compat.on_unregistration(client, lost.append)
+            (engine_set,) = cluster.engines.values()
+            (engine,) = engine_set.launchers.values()
+            stops: list[tuple[str, Any]] = []
+            ipp_compat.run_wait_callbacks_at_once(engine)
+            engine.on_stop(lambda data: stops.append((_thread_name(), data["exit_code"])))
+            os.kill(engine.pid, signal.SIGKILL)
+            _until(lambda: bool(stops), "on_stop from the wait thread")
+            _until(lambda: bool(lost), "unregistration notification")
+            found["stops"], found["lost"] = stops, lost
+        finally:
+            client.close()
+            cluster.stop_cluster_sync()
+        launchers = [la for es in cluster.engines.values() for la in es.launchers.values()]
+        ipp_compat.end_wait_threads(launchers, launchers, timeout=5.0)
+        found["wait_threads"] = [la._wait_thread for la in launchers]
+
+    asyncio.run(in_a_kernel_like_loop())
+    cluster = found["cluster"]
+    assert found["connection"]["interface"].startswith("tcp://")
+    assert found["hooked"] and found["lost"] == [0]
+    (thread_name, exit_code), = found["stops"]
+    assert thread_name.startswith("wait(pid=") and exit_code == -signal.SIGKILL
+    assert not any(t is not None and t.is_alive() for t in found["wait_threads"])
+    assert cluster._async_thread is not None and cluster._async_thread.is_alive()
+    ipp_compat.end_loop_thread(cluster, timeout=10.0)
+    assert not cluster._async_thread.is_alive()
+
+
+def _thread_name() -> str:
+    import threading
+
+    return threading.current_thread().name
