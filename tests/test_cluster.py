@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import stat
 
+import numpy as np
 import pytest
 import torch
 
@@ -74,6 +75,40 @@ def test_push_pull_round_trip_tensors_and_objects(cluster2: Cluster):
     assert list(cluster2.pull("big")) == [0, 1]
     cluster2.run("del big").raise_for_errors()
     assert cluster2.pull("config")[1] == {"lr": 0.1, "layers": [1, 2]}
+
+
+def test_large_tensors_travel_as_their_own_frames_uncopied_and_exact(cluster2: Cluster):
+    """A big CPU tensor is a frame of its own, sent from and rebuilt on its memory (no pickle
+    copy); every dtype, a Parameter and requires_grad survive."""
+    from nbdist.worker.frames import pack, unpack
+
+    big = torch.arange(100_000, dtype=torch.float32)
+    frames = pack({"big": big})
+    assert len(frames) == 2 and np.frombuffer(frames[1], np.uint8).ctypes.data == big.data_ptr()
+    received = bytearray(frames[1])  # what a zmq frame received without a copy exposes
+    rebuilt = unpack([frames[0], memoryview(received)])["big"]
+    assert torch.equal(rebuilt, big)
+    assert rebuilt.data_ptr() == np.frombuffer(received, np.uint8).ctypes.data
+    values = {
+        "bf16": torch.randn(300, 300).to(torch.bfloat16),
+        "ints": torch.arange(40_000, dtype=torch.int64).reshape(200, 200)[:, ::2],  # not contiguous
+        "param": torch.nn.Parameter(torch.randn(200, 200)),
+        "frozen": torch.randn(200, 200).requires_grad_(True),
+        "small": torch.ones(3),
+    }
+    cluster2.push(values)
+    cluster2.run(
+        "same = [bf16.dtype, ints.shape, ints.is_contiguous(), type(param).__name__,"
+        " param.requires_grad, frozen.requires_grad, small.tolist()]"
+    ).raise_for_errors()
+    assert cluster2.pull("same")[1] == [torch.bfloat16, torch.Size([200, 100]), True, "Parameter",
+                                        True, True, [1.0, 1.0, 1.0]]
+    pulled = cluster2.pull("bf16")
+    assert all(torch.equal(t, values["bf16"]) for t in pulled.values())
+    back = cluster2.pull("ints")[0]
+    assert torch.equal(back, values["ints"]) and back.is_contiguous()
+    back[0, 0] = -1  # the notebook's copy is its own, writable
+    assert cluster2.pull("ints")[0][0, 0] == 0
 
 
 def test_stdout_and_stderr_complete_and_labelled(cluster2: Cluster):

@@ -32,6 +32,7 @@ from nbdist.worker.cell_channel import (
     ChannelEndpoint,
     ChannelSetup,
 )
+from nbdist.worker.frames import pack, unpack
 
 __all__ = ["CELL_REPLY", "COMM_TYPES", "ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
 
@@ -138,10 +139,8 @@ class NotebookChannel:
         """Call one of the ranks' channel functions (`nbdist.worker.cell_channel.CALLS`) on
         each rank and collect the results under one deadline (between cells: the runner is the
         only other reader of `inbox`); never raises for a rank's failure or silence."""
-        from ipyparallel.serialize import serialize_object
-
         token = self.new_token()
-        buffers = serialize_object(args)
+        buffers = pack(args)
         for rank, endpoint in endpoints.items():
             self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
         self.hold()
@@ -151,8 +150,6 @@ class NotebookChannel:
             self.release()
 
     def _answers(self, token: str, waiting: set[int], timeout: float) -> Gathered[int]:
-        from ipyparallel.serialize import deserialize_object
-
         out: Gathered[int] = Gathered()
         deadline = time.monotonic() + timeout
         while waiting and time.monotonic() < deadline:
@@ -165,7 +162,7 @@ class NotebookChannel:
                     out.failures[message.rank] = f"{content.get('ename')}: {content.get('evalue')}"
                     continue
                 try:
-                    out.results[message.rank] = deserialize_object(message.msg["buffers"])[0]
+                    out.results[message.rank] = unpack(message.msg["buffers"])
                 except Exception as exc:  # e.g. a class the ranks define and this process not
                     out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
@@ -239,7 +236,7 @@ class NotebookChannel:
         zmq = self._zmq
         while True:
             try:
-                frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=True)
+                frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
             message = self._parse(frames)
@@ -259,10 +256,11 @@ class NotebookChannel:
                 print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
                       file=sys.__stderr__)
 
-    def _parse(self, frames: list[bytes]) -> ChannelMessage | None:
+    def _parse(self, frames: list[Any]) -> ChannelMessage | None:
         try:
-            idents, msg_list = self.session.feed_identities(frames)
-            msg = self.session.deserialize(msg_list, content=True)
+            # zmq Frames, not bytes: a pulled tensor keeps the frame's memory, uncopied
+            idents, msg_list = self.session.feed_identities(frames, copy=False)
+            msg = self.session.deserialize(msg_list, content=True, copy=False)
             return ChannelMessage(idents[0].decode(), int(idents[1]), msg)
         except Exception:  # unsigned, replayed or malformed: not from this cluster's ranks
             return None

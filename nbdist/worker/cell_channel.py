@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist import ipp_compat
+from nbdist.worker.frames import pack, unpack
 
 CELL_REQUEST = "nbdist_cell"
 CELL_REPLY = "nbdist_reply"
@@ -81,7 +82,9 @@ class _Locked:
     def send_multipart(self, parts: list[Any], *_args: Any, **_kwargs: Any) -> None:
         with self.lock:
             try:
-                self.socket.send_multipart(parts, flags=self._noblock, copy=True)
+                # Session.send asks for no copy when a frame is large (a pulled tensor)
+                self.socket.send_multipart(parts, flags=self._noblock,
+                                           copy=_kwargs.get("copy", True))
             except self._again:
                 self.dropped += 1
 
@@ -120,7 +123,7 @@ class CellServer:
         self.idents: list[bytes] | None = None  # the running cell's token and rank
         self.waiting: list[dict[str, Any]] = []  # requests that came while a cell ran
         self.stream = ZMQStream(self.requests, self.loop)
-        self.stream.on_recv(self._on_request)
+        self.stream.on_recv(self._on_request, copy=False)
         self.iopub = ipp_compat.iopub_thread()
         ipp_compat.divert_iopub(self.iopub, self._forward)
 
@@ -160,15 +163,16 @@ class CellServer:
             self.out.socket.close(linger=0)
 
     # ------------------------------------------------------------------ requests
-    def _parse(self, frames: list[bytes]) -> dict[str, Any] | None:
+    def _parse(self, frames: list[Any]) -> dict[str, Any] | None:
         try:
-            _idents, msg_list = self.session.feed_identities(frames)
-            return self.session.deserialize(msg_list)
+            copy = isinstance(frames[0], bytes)  # zmq Frames: a pushed tensor is not copied
+            _idents, msg_list = self.session.feed_identities(frames, copy=copy)
+            return self.session.deserialize(msg_list, copy=copy)
         except Exception as exc:  # unsigned or malformed: not from this cluster's notebook
             print(f"nbdist: refused a request on the cell channel: {exc}", file=sys.__stderr__)
             return None
 
-    def _on_request(self, frames: list[bytes]) -> None:
+    def _on_request(self, frames: list[Any]) -> None:
         request = self._parse(frames)
         if request is not None:
             self._dispatch(request)
@@ -212,13 +216,10 @@ class CellServer:
 
     def _call(self, request: dict[str, Any]) -> None:
         """A call between cells (push, pull): its result or error back, under its token."""
-        from ipyparallel.serialize import deserialize_object, serialize_object
-
         content = request["content"]
         buffers: list[Any] = []
         try:
-            args, _rest = deserialize_object(request["buffers"])
-            buffers = serialize_object(CALLS[str(content["name"])](*args))
+            buffers = pack(CALLS[str(content["name"])](*unpack(request["buffers"])))
             reply: dict[str, Any] = {"status": "ok"}
         except Exception as exc:
             reply = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)}

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 _PROBE = """
 import json, statistics, sys, time
 import psutil
+import torch
 from nbdist import Cluster
 cells = int(sys.argv[1])
 cluster = Cluster(n=4, threads=1).start()
@@ -37,20 +38,33 @@ try:
     def engines_cpu():
         return sum(sum(e.cpu_times()[:2]) for e in engines)
     out = {}
-    for name, code in (("noop", "pass"), ("all_reduce", "t = torch.ones(1000)\\ndist.all_reduce(t)")):
+    cluster.run("big = torch.ones(8_000_000)").raise_for_errors()  # 32 MB on each rank
+    value = torch.ones(8_000_000)
+    steps = (
+        ("noop", lambda: cluster.run("pass").raise_for_errors(), cells),
+        ("all_reduce", lambda: cluster.run("t = torch.ones(1000)\\ndist.all_reduce(t)")
+         .raise_for_errors(), cells),
+        ("pull_32MB", lambda: cluster.pull("big"), 10),
+        ("push_32MB", lambda: cluster.push({"pushed": value}), 10),
+    )
+    for name, step, count in steps:
         times = []
         cpu, engine_cpu = time.process_time(), engines_cpu()
-        for _ in range(cells):
+        for _ in range(count):
             started = time.perf_counter()
-            cluster.run(code).raise_for_errors()
+            step()
             times.append(time.perf_counter() - started)
         out[name] = statistics.median(times) * 1e3
-        # CPU per cell: what the code costs, whatever else shares the cores
-        out[name + "_cpu"] = ((time.process_time() - cpu) + (engines_cpu() - engine_cpu)) / cells * 1e3
+        # CPU per step: what the code costs, whatever else shares the cores
+        out[name + "_cpu"] = ((time.process_time() - cpu) + (engines_cpu() - engine_cpu)) / count * 1e3
     print("AB " + json.dumps(out), flush=True)
 finally:
     cluster.stop()
 """
+
+
+FIGURES = ("noop", "all_reduce", "pull_32MB", "push_32MB")
+"""Per cell (no-op, a 1,000-float all_reduce) and per call (pull / push of 32 MB per rank)."""
 
 
 def measure(tree: Path, cells: int) -> dict[str, float]:
@@ -81,21 +95,24 @@ def render(old_ref: str, pairs: list[dict[str, dict[str, float]]], loads: list[f
         f"- **load average (1 min) before each run**: {head}; compare the ratios, which pair runs taken "
         "back to back",
         f"- **setup**: 4 CPU ranks (gloo), 1 thread per rank, `Cluster.run`, {cells} timed cells per "
-        "figure after 5 untimed; medians in ms",
+        "cell figure after 5 untimed; `Cluster.pull` / `Cluster.push` of a 32 MB tensor on every "
+        "rank, 10 timed calls each; medians in ms",
         "",
-        "Wall: median ms per cell. CPU: ms of CPU per cell, notebook process plus the 4 engines "
+        "Wall: median ms per cell or call. CPU: ms of CPU per cell or call, notebook process plus "
+        "the 4 engines "
         "(steadier than wall time on shared cores).",
         "",
         "| pair | figure | wall new | wall old | new ÷ old | CPU new | CPU old | new ÷ old |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    keys = ("noop", "noop_cpu", "all_reduce", "all_reduce_cpu")
+    figures = [f for f in FIGURES if all(f in side for pair in pairs for side in pair.values())]
+    keys = [key for figure in figures for key in (figure, f"{figure}_cpu")]
     ratios: dict[str, list[float]] = {key: [] for key in keys}
     for index, pair in enumerate(pairs, 1):
         new, old = pair["new"], pair["old"]
         for key in keys:
             ratios[key].append(new[key] / old[key])
-        for figure in ("noop", "all_reduce"):
+        for figure in figures:
             cpu = f"{figure}_cpu"
             lines.append(
                 f"| {index} | {figure} | {new[figure]:.1f} | {old[figure]:.1f} | "
@@ -104,9 +121,10 @@ def render(old_ref: str, pairs: list[dict[str, dict[str, float]]], loads: list[f
     medians = {key: statistics.median(values) for key, values in ratios.items()}
     lines += [
         "",
-        f"**Median of the pair ratios (new ÷ old)**: no-op wall {medians['noop']:.2f}, CPU "
-        f"{medians['noop_cpu']:.2f}; all_reduce wall {medians['all_reduce']:.2f}, CPU "
-        f"{medians['all_reduce_cpu']:.2f} (1.00 = same cost; below 1 = this tree is cheaper).",
+        "**Median of the pair ratios (new ÷ old)**: "
+        + "; ".join(f"{figure} wall {medians[figure]:.2f}, CPU {medians[figure + '_cpu']:.2f}"
+                    for figure in figures)
+        + " (1.00 = same cost; below 1 = this tree is cheaper).",
         "",
     ]
     return "\n".join(lines)
