@@ -7,7 +7,6 @@ sits above it: running cells (`nbdist.cells`), the status snapshot and the live 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +21,6 @@ from nbdist.cells.diff import FETCH_LIMIT, DiffReport, diff_ranks
 from nbdist.cells.execute import OutputSink, run_cell
 from nbdist.cells.profiling import collect_last_profile, run_profiled
 from nbdist.cells.result import CellResult
-from nbdist.cluster import attach as attaching
 from nbdist.cluster.arguments import (
     check_code,
     check_directory,
@@ -30,7 +28,7 @@ from nbdist.cluster.arguments import (
     check_timeout,
 )
 from nbdist.cluster.core import ClusterCore, Progress
-from nbdist.cluster.replace import replace_dead_ranks
+from nbdist.cluster.launch_modes import attach_target
 from nbdist.cluster.status import ClusterStatus
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import DistributedCellError, NbdistError
@@ -84,7 +82,7 @@ class Cluster(ClusterCore):
         job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
         group; restart() waits for the engines to be back (restart them yourself)."""
         cluster = cls(n=n, **kwargs)
-        cluster.attach_to(attaching.attach_target(profile, cluster_id, profile_dir, url_file))
+        cluster.attach_to(attach_target(profile, cluster_id, profile_dir, url_file))
         cluster.start(progress)
         return cluster
 
@@ -163,17 +161,6 @@ class Cluster(ClusterCore):
                         f"the ranks restarted, but setup cell {number} of {len(self._setup_cells)} "
                         f"did not finish: {result.failure_message()}", result)
         return self
-
-    def replace_dead(self, progress: Progress | None = None) -> list[int]:
-        """New processes for the dead ranks only, and a new process group that every rank joins:
-        the living ranks keep their variables (a trained model survives); the new ranks start
-        empty (setup cells are not re-run: they may hold collectives the others would repeat).
-        Returns the ranks replaced. Local engines only; otherwise use `restart`."""
-        self._require_running()
-        started = time.perf_counter()
-        replaced = replace_dead_ranks(self, progress or (lambda _msg: None))
-        self.start_seconds = time.perf_counter() - started if replaced else self.start_seconds
-        return replaced
 
     @property
     def batch_job(self) -> SlurmJob | None:

@@ -15,8 +15,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbdist import Cluster
-from nbdist.cluster import attach
-from nbdist.cluster.launch_modes import AttachedMode, LaunchedMode, LocalMode
+from nbdist.cluster.launch_modes import AttachedMode, LaunchedMode, LocalMode, engines_started
 from nbdist.cluster.launchers import (
     LAUNCHERS,
     MultiHostWarning,
@@ -296,7 +295,7 @@ def test_attach_uses_engines_it_did_not_start_and_never_kills_them(tmp_path, fas
         # start_cluster_sync returns before the engines register: attach waits for the two
         # the cluster file lists (CI once attached to the first one alone)
         target = {"profile_dir": str(tmp_path / "profile"), "cluster_id": user_cluster.cluster_id}
-        assert attach.engines_started(target) == 2
+        assert engines_started(target) == 2
         cluster = Cluster.attach(profile_dir=str(tmp_path / "profile"),
                                  cluster_id=user_cluster.cluster_id, config=fast_config)
         try:

@@ -62,7 +62,7 @@ def test_watchdog_runs_the_cancel_commands_when_the_kernel_dies(tmp_path: Path) 
     pidfile, marker = tmp_path / "pids.json", tmp_path / "cancelled"
     command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('12')"]
     watchdog.write_pidfile(str(pidfile), [], [command])
-    assert watchdog.read_cancel_commands(str(pidfile)) == [command]
+    assert watchdog.read_pidfile(str(pidfile)) == ([], [command])
     kernel.kill()
     kernel.wait()
     watchdog.watch(kernel.pid, created, str(pidfile), str(tmp_path / "workdir"), interval=0.05)

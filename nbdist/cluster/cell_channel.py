@@ -1,13 +1,10 @@
 """The notebook's end of the cell channel (a rank's end: nbdist.worker.cell_channel).
 
-One PULL socket receives what every rank sends; one DEALER per rank sends it cells, pdb answers
-and widget messages. A reader thread takes messages off the PULL as they come: a rank's widget
-(comm) messages go to `on_comm` at once, between cells too; the rest wait in `inbox` for the
-cell runner on the notebook's main thread. Every message is signed and checked with the
-cluster's key, and carries the cell's token and the rank as identities: output of an earlier
-cell (one that was given up on) is told apart and dropped. With `curve` (every cluster that
-spans hosts) the sockets are also CurveZMQ-encrypted: this end's public key reaches the ranks in
-their signed setup call, and each rank's comes back in its reply.
+One PULL receives what every rank sends; one DEALER per rank sends it cells, pdb answers and
+widget messages. A reader thread hands a rank's widget messages to `on_comm` at once, between
+cells too, and queues the rest in `inbox` for the cell runner. Every message is signed with the
+cluster's key and carries the cell's token and the rank, so a given-up cell's output is dropped.
+With `curve` both ends are CurveZMQ-encrypted; the public keys travel in the signed setup call.
 """
 
 from __future__ import annotations
@@ -18,11 +15,14 @@ import queue
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.gather import Gathered
+from nbdist.cluster.ranks import RankProcess
+from nbdist.errors import ClusterStartError, Interrupted, NbdistError
 from nbdist.worker.cell_channel import (
     CALL_REQUEST,
     CELL_REPLY,
@@ -37,8 +37,7 @@ from nbdist.worker.frames import pack, unpack
 __all__ = ["CELL_REPLY", "COMM_TYPES", "ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
 
 SEND_TIMEOUT_MS = 1000
-CLOSE_TIMEOUT = 5.0
-"""Seconds `close` waits for the reader thread (it stops at once unless a widget handler hangs)."""
+CLOSE_TIMEOUT = 5.0  # seconds for the reader thread to stop (unless a widget handler hangs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +96,11 @@ class NotebookChannel:
         self._reader.start()
 
     def setup_for(self, bind_host: str) -> ChannelSetup:
-        """What a rank listening on `bind_host` is told at setup."""
         return ChannelSetup(self.address, bind_host, self.public_key)
 
     def new_token(self) -> str:
         return f"{self._prefix}-{next(self._tokens)}"
 
-    # ------------------------------------------------------------------ sending
     def send_cell(self, rank: int, endpoint: ChannelEndpoint, token: str, code: str) -> None:
         """Send one cell to a rank; raises zmq.Again if the rank has stopped taking them."""
         self.send(rank, endpoint, CELL_REQUEST, {"token": token, "code": code})
@@ -137,8 +134,7 @@ class NotebookChannel:
     def call(self, endpoints: dict[int, ChannelEndpoint], name: str, args: tuple[Any, ...],
              timeout: float) -> Gathered[int]:
         """Call one of the ranks' channel functions (`nbdist.worker.cell_channel.CALLS`) on
-        each rank and collect the results under one deadline (between cells: the runner is the
-        only other reader of `inbox`); never raises for a rank's failure or silence."""
+        each rank, results under one deadline; never raises for a rank's failure or silence."""
         token = self.new_token()
         buffers = pack(args)
         for rank, endpoint in endpoints.items():
@@ -168,11 +164,38 @@ class NotebookChannel:
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
         return out
 
-    # ------------------------------------------------------------------ receiving
+    def push(self, ranks: Sequence[RankProcess], values: dict[str, Any], timeout: float) -> None:
+        """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
+        values = check_pushed_values(values)
+        try:
+            gathered = self.call(_endpoints(ranks), "push", (values,), timeout)
+        except KeyboardInterrupt:
+            raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may "
+                              "have the new values and others not; push again before using "
+                              "them") from None
+        if gathered.failures:
+            lines = [f"rank {rank}: {why}" for rank, why in sorted(gathered.failures.items())]
+            raise ClusterStartError("push failed:\n" + "\n".join(lines))
+
+    def pull(self, ranks: Sequence[RankProcess], name: str, timeout: float) -> dict[int, Any]:
+        """One name from each rank, {rank: value} in rank order (tensors arrive on CPU); the
+        classes this notebook's `__main__` defines rebuild a value's cell-defined classes."""
+        check_variable_name(name, "pull")
+        main = vars(sys.modules["__main__"]) if "__main__" in sys.modules else {}
+        classes = sorted(key for key, value in main.items() if isinstance(value, type))
+        try:
+            gathered = self.call(_endpoints(ranks), "pull", ([name], classes), timeout)
+        except KeyboardInterrupt:
+            raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
+                              "ranks still hold it") from None
+        if gathered.failures:
+            first = min(gathered.failures)
+            raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
+        return {r: gathered.results[r][name] for r in sorted(gathered.results)}
+
     def hold(self) -> None:
-        """Read the PULL on this thread until `release` (a cell or a call waits for answers:
-        one thread wake-up less per message); what the reader thread took before it let go is
-        read from `inbox` first."""
+        """Read the PULL on this thread until `release` (one thread wake-up less per message
+        while a cell or a call waits); what the reader thread took before is in `inbox`."""
         self._holds += 1
         tag = str(self._holds).encode()
         self._wake.send(b"hold " + tag)
@@ -193,8 +216,7 @@ class NotebookChannel:
         self._wake.send(b"read")
 
     def receive(self, timeout: float) -> list[ChannelMessage]:
-        """Whatever arrived for the cell runner within `timeout` seconds (returns as soon as
-        something did)."""
+        """Whatever arrived for the cell runner within `timeout` s (as soon as something did)."""
         messages = []
         while True:
             try:
@@ -210,7 +232,7 @@ class NotebookChannel:
                 return []
         wait = 0 if messages else max(0, int(timeout * 1000))
         if self._poller.poll(wait):
-            self._drain(self._pull, messages.append)
+            self._drain(messages.append)
         return messages
 
     def _read(self, woken: Any) -> None:
@@ -226,44 +248,36 @@ class NotebookChannel:
                 while order.startswith(b"hold "):  # the socket is the main thread's meanwhile
                     woken.send(order[5:])
                     order = woken.recv()
-                self._drain(self._pull, self.inbox.put)
+                self._drain(self.inbox.put)
         finally:
             self._pull.close(linger=0)
             woken.close(linger=0)
 
-    def _drain(self, pull: Any, deliver: Callable[[ChannelMessage], None]) -> None:
+    def _drain(self, deliver: Callable[[ChannelMessage], None]) -> None:
         """Every message waiting on the PULL: a widget's to `on_comm`, a cell's to `deliver`."""
         zmq = self._zmq
         while True:
             try:
-                frames = pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
+                frames = self._pull.recv_multipart(flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            message = self._parse(frames)
-            if message is None:
+            try:  # zmq Frames, not bytes: a pulled tensor keeps the frame's memory, uncopied
+                idents, msg_list = self.session.feed_identities(frames, copy=False)
+                msg = self.session.deserialize(msg_list, content=True, copy=False)
+                message = ChannelMessage(idents[0].decode(), int(idents[1]), msg)
+            except Exception:  # unsigned, replayed or malformed: not from this cluster's ranks
                 continue
-            if message.msg["header"]["msg_type"] in COMM_TYPES:
-                self._to_widgets(message)
-            elif message.token:
-                deliver(message)
-
-    def _to_widgets(self, message: ChannelMessage) -> None:
-        handler = self.on_comm
-        if handler is not None:
+            if msg["header"]["msg_type"] not in COMM_TYPES:
+                if message.token:
+                    deliver(message)
+                continue
+            handler = self.on_comm
             try:
-                handler(message)
+                if handler is not None:
+                    handler(message)
             except Exception as exc:  # a widget's trouble never stops the channel
                 print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
                       file=sys.__stderr__)
-
-    def _parse(self, frames: list[Any]) -> ChannelMessage | None:
-        try:
-            # zmq Frames, not bytes: a pulled tensor keeps the frame's memory, uncopied
-            idents, msg_list = self.session.feed_identities(frames, copy=False)
-            msg = self.session.deserialize(msg_list, content=True, copy=False)
-            return ChannelMessage(idents[0].decode(), int(idents[1]), msg)
-        except Exception:  # unsigned, replayed or malformed: not from this cluster's ranks
-            return None
 
     def close(self) -> None:
         self._wake.send(b"stop")
@@ -289,6 +303,8 @@ def open_channel(channel: NotebookChannel | None, client: Any, bind_host: str,
     return NotebookChannel(client.session.key, client.session.signature_scheme, bind_host, curve)
 
 
-def close_channel(channel: NotebookChannel | None) -> None:
-    if channel is not None:
-        channel.close()
+def _endpoints(ranks: Sequence[RankProcess]) -> dict[int, ChannelEndpoint]:
+    missing = [p.spec.rank for p in ranks if p.endpoint is None]
+    if missing:
+        raise NbdistError(f"rank(s) {missing} have no cell channel (their setup did not finish)")
+    return {p.spec.rank: p.endpoint for p in ranks if p.endpoint is not None}

@@ -1,63 +1,56 @@
 """`ClusterCore`: start, bootstrap, restart and stop a set of ipyparallel engines as torch ranks.
 
-A small facade over the cluster layer's parts: `engines` (ipyparallel), `processes` (owned PIDs,
-watchdog), `liveness`, `rendezvous`, `rank_setup` and `attach`. It owns the rank table and the
-process-group generation, and guarantees that everything it started is stopped by PID.
+A small facade over the cluster layer's parts (`launch_modes`, `processes`, `liveness`,
+`rendezvous`, `rank_setup`): it owns the rank table and the process-group generation, and
+stops everything it started by PID.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
+import dataclasses
 import time
 import weakref
 from collections.abc import Iterable
 from typing import Any
 
-from nbdist.cluster import rank_calls, rank_setup
+from nbdist.cluster import rank_setup
 from nbdist.cluster.arguments import check_cluster_arguments
-from nbdist.cluster.cell_channel import NotebookChannel, close_channel, open_channel
+from nbdist.cluster.cell_channel import NotebookChannel, open_channel
+from nbdist.cluster.gather import gather
 from nbdist.cluster.launch_modes import AttachedMode, LaunchMode, Progress, launch_mode
 from nbdist.cluster.liveness import Liveness
 from nbdist.cluster.processes import OwnedProcesses, Pid
-from nbdist.cluster.ranks import RankProcess, check_targets, validate_backend
+from nbdist.cluster.ranks import RankProcess, RankSpec, check_targets, validate_backend
 from nbdist.cluster.rendezvous import Rendezvous
 from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import ClusterNotRunningError, Interrupted, NbdistError
+from nbdist.worker import bootstrap
 from nbdist.worker.net import free_port
 
 __all__ = ["ClusterCore", "Progress", "RankProcess", "free_port"]
 
 
 class ClusterCore:
-    """A local (or launcher-provided) set of ranks forming one torch.distributed process group.
+    """A local (or launcher-provided) set of ranks forming one torch.distributed process group
+    (`nbdist.Cluster` adds cells, status and dashboards)."""
 
-    >>> cluster = Cluster(n=2).start()          # doctest: +SKIP
-    >>> cluster.run("dist.all_reduce(t := torch.ones(1)); t").raise_for_errors()  # doctest: +SKIP
-    >>> cluster.stop()                           # doctest: +SKIP
-    """
-
-    def __init__(
-        self,
-        n: int | None = None,
-        backend: str = "auto",
-        gpus_per_rank: int = 1,
-        threads: int | None = None,
-        config: NbdistConfig | None = None,
-        master_addr: str | None = None,
-        launcher: str = "local",
-        launcher_options: dict[str, Any] | None = None,
-        profile: str | None = None,
-        interface: str | None = None,
-    ) -> None:
+    def __init__(self, n: int | None = None, backend: str = "auto", gpus_per_rank: int = 1,
+                 threads: int | None = None, config: NbdistConfig | None = None,
+                 master_addr: str | None = None, launcher: str = "local",
+                 launcher_options: dict[str, Any] | None = None, profile: str | None = None,
+                 interface: str | None = None) -> None:
         """`launcher`: how ipyparallel starts the engines (local, mpi, slurm, ssh; see
-        nbdist.cluster.launchers for `launcher_options`). `profile`: use the engines of a cluster already
-        running in that ipyparallel profile instead (see `Cluster.attach`). `master_addr`: the
+        nbdist.cluster.launchers for `launcher_options`). `profile`: use the engines already
+        running in that ipyparallel profile (see `Cluster.attach`). `master_addr`: the
         rendezvous address (default: 127.0.0.1 on one host, rank 0's address across hosts).
         `interface`: the network interface ranks talk over (GLOO/NCCL_SOCKET_IFNAME)."""
-        self.launcher_options = check_cluster_arguments(
-            n=n, gpus_per_rank=gpus_per_rank, threads=threads, config=config, master_addr=master_addr,
-            launcher=launcher, launcher_options=launcher_options, profile=profile, interface=interface)
+        options = check_cluster_arguments(
+            n=n, gpus_per_rank=gpus_per_rank, threads=threads, config=config,
+            master_addr=master_addr, launcher=launcher, launcher_options=launcher_options,
+            profile=profile, interface=interface)
         self.requested_n = n
         self.requested_backend = validate_backend(backend, gpus_per_rank)
         self.gpus_per_rank = gpus_per_rank
@@ -72,14 +65,12 @@ class ClusterCore:
         self.controller_lost = False
         self._processes = OwnedProcesses(config or DEFAULT)
         self._liveness = Liveness(self, self._processes)
-        # validates the launcher and its options now (starts nothing)
-        self.launch_mode: LaunchMode = launch_mode(
-            self._processes, self._liveness.record_exit, launcher=launcher,
-            options=self.launcher_options, interface=interface, profile=profile)
+        self.launch_mode: LaunchMode = launch_mode(  # checks the launcher and its options
+            self._processes, self._liveness.record_exit, launcher=launcher, options=options,
+            interface=interface, profile=profile)
         self.rendezvous = Rendezvous(master_addr, interface)
         self.cell_channel: NotebookChannel | None = None  # cells to every rank
 
-    # ------------------------------------------------------------------ state
     @property
     def config(self) -> NbdistConfig:
         return self._processes.config
@@ -90,11 +81,7 @@ class ClusterCore:
 
     @property
     def running(self) -> bool:
-        return self._client is not None
-
-    @property
-    def _client(self) -> Any:
-        return self.launch_mode.client
+        return self.launch_mode.client is not None
 
     @property
     def world_size(self) -> int:
@@ -103,7 +90,7 @@ class ClusterCore:
     @property
     def client(self) -> Any:
         self._require_running()
-        return self._client
+        return self.launch_mode.client
 
     @property
     def workdir(self) -> str:
@@ -127,40 +114,35 @@ class ClusterCore:
 
     def is_registered(self, engine_id: int) -> bool:
         """The controller still lists this engine (True when there is no client to ask)."""
-        return self._client is None or engine_id in self._client.ids
+        return not self.running or engine_id in self.launch_mode.client.ids
 
     def view(self, rank: int) -> Any:
         """The ipyparallel view of one rank; a rank whose engine is gone is marked dead."""
         engine_id = self.ranks[rank].spec.engine_id
-        if engine_id not in self._client.ids:
+        if not self.is_registered(engine_id):
             self.poll_dead()
             if self.ranks[rank].state == "alive":
                 self.mark_dead(rank, "engine unregistered from the controller")
             raise NbdistError(f"rank {rank} is dead ({self.ranks[rank].exit_detail})")
-        return self._client[engine_id]
+        return self.client[engine_id]
 
     def mark_dead(self, rank: int, detail: str, notify: bool = True) -> None:
-        """The one place a rank becomes dead: its state, the reason, and the dashboard's view.
-        `notify=False` off the notebook's thread (poll_dead tells the listeners later) and on
-        stop (nobody is watching a stopped cluster)."""
-        proc = self.ranks[rank]
-        proc.state = "dead"
-        proc.exit_detail = detail
+        """The one place a rank becomes dead. `notify=False` off the notebook's thread
+        (poll_dead tells the listeners later) and on stop (nobody watches a stopped cluster)."""
+        self.ranks[rank].state, self.ranks[rank].exit_detail = "dead", detail
         if notify:
             self.telemetry.rank_state(rank, "dead", detail)
 
     def _require_running(self) -> None:
-        if self._client is None:
-            raise ClusterNotRunningError(
-                "no cluster is running: start one with %dist_start (or nbdist.Cluster(...).start())"
-            )
+        if not self.running:
+            raise ClusterNotRunningError("no cluster is running: start one with %dist_start "
+                                         "(or nbdist.Cluster(...).start())")
 
     def targets(self, ranks: Iterable[int] | None) -> list[int]:
         """The ranks a call goes to (all by default), checked to exist and be alive."""
         self._require_running()
         return check_targets(self.ranks, ranks)
 
-    # ------------------------------------------------------------------ start
     def attach_to(self, target: dict[str, Any]) -> None:
         """Use the engines of the running ipyparallel cluster `target` names (ipyparallel.Client's
         arguments) instead of starting any (`Cluster.attach`)."""
@@ -176,7 +158,7 @@ class ClusterCore:
         try:
             say = progress or (lambda _msg: None)
             engine_ids = self.launch_mode.start(self.requested_n, say)
-            self._liveness.watch_unregistrations(self._client)
+            self._liveness.watch_unregistrations(self.launch_mode.client)
             self._bootstrap(say, engine_ids)
         except BaseException as exc:
             self._teardown_processes()
@@ -189,27 +171,41 @@ class ClusterCore:
         return self
 
     def _bootstrap(self, say: Progress, ids: list[int]) -> None:
-        client = self._client
+        client, mode = self.launch_mode.client, self.launch_mode
         say(f"{len(ids)} engine(s) registered; setting up ranks")
-        timeout = self.config.start.bootstrap_timeout
-        host_order = [p.spec.host for p in self.ranks] if self.ranks else None
-        specs, probes = rank_setup.probe_and_plan(client, ids, self.requested_backend,
-                                                  self.gpus_per_rank, host_order, timeout)
+        probes = rank_setup.probe(client, ids, self.config.start.bootstrap_timeout)
+        specs = rank_setup.plan_ranks(probes, self.requested_backend, self.gpus_per_rank,
+                                      [p.spec.host for p in self.ranks] or None)
         self.backend = specs[0].backend
-        self.generation += 1
-        self.rendezvous.choose(self.launch_mode.spans_hosts, specs, probes)
+        self.rendezvous.choose(mode.spans_hosts, specs, probes)
         self.cell_channel = open_channel(self.cell_channel, client,
                                          self.rendezvous.notebook_host(client, probes),
-                                         curve=self.launch_mode.curve or self.rendezvous.spans_hosts)
-        port = self.rendezvous.port(client, specs[0].engine_id, timeout)
-        self.ranks = rank_setup.setup_ranks(
-            client, specs, probes, port=port, generation=self.generation,
-            rendezvous=self.rendezvous, config=self.config, workdir=self.workdir,
-            requested_threads=self.requested_threads, channel=self.cell_channel)
+                                         curve=mode.curve or self.rendezvous.spans_hosts)
+        threads = rank_setup.rank_threads(specs, probes, self.requested_threads)
+        self.ranks = self._new_generation(specs, probes, threads)
         for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
             say(f"nbdist: {note}")
+        self._settled(ids)
+
+    def _new_generation(self, specs: list[RankSpec], probes: dict[int, Any],
+                        threads: dict[int, int], living: Iterable[RankProcess] = ()
+                        ) -> list[RankProcess]:
+        """A new process-group generation on a fresh port: the ranks of `specs` set up and join
+        it, the `living` ones rebuild into it; returns the new ranks."""
+        self.generation += 1
+        client, timeout = self.launch_mode.client, self.config.start.bootstrap_timeout
+        rank0 = next((s for s in specs if s.rank == 0), None) or self.ranks[0].spec
+        port = self.rendezvous.port(client, rank0.engine_id, timeout)
+        return rank_setup.setup_ranks(
+            client, specs, probes, threads, [p.spec.engine_id for p in living], port=port,
+            generation=self.generation, rendezvous=self.rendezvous, config=self.config,
+            workdir=self.workdir, channel=self.cell_channel)  # type: ignore[arg-type]
+
+    def _settled(self, new_ids: list[int]) -> None:
+        """New ranks are set up: the watchdog's pid file names them, their collectors freeze."""
         self.launch_mode.write_pidfile(self.ranks)
-        rank_setup.freeze_collectors(client, ids, timeout)
+        rank_setup.freeze_collectors(self.launch_mode.client, new_ids,
+                                     self.config.start.bootstrap_timeout)
 
     def all_pids(self) -> list[int]:
         """Every process this cluster started (controller, engines, nannies, watchdog)."""
@@ -218,7 +214,6 @@ class ClusterCore:
             pids.append(self._processes.watchdog.pid)
         return pids
 
-    # ------------------------------------------------------------------ liveness
     def poll_dead(self) -> dict[int, str]:
         """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc."""
         return self._liveness.poll_dead()
@@ -239,17 +234,15 @@ class ClusterCore:
     def signal_rank(self, rank: int, sig: int) -> None:
         self.launch_mode.signal(self.ranks[rank], sig)
 
-    # ------------------------------------------------------------------ calls on ranks
     def teardown_process_group(self, ranks: Iterable[int], timeout: float) -> list[int]:
-        """Destroy the group on these (idle) ranks so peers blocked on them fail at once."""
-        views = {}
+        """Destroy the group on these (idle) ranks so peers blocked on them fail at once;
+        returns the ranks where that finished in time."""
+        asyncs = {}
         for r in ranks:
-            if self.ranks[r].state == "alive":
-                try:
-                    views[r] = self.view(r)
-                except NbdistError:
-                    continue
-        return rank_calls.teardown_process_groups(views, timeout)
+            with contextlib.suppress(NbdistError):  # view() marks a rank whose engine is gone
+                if self.ranks[r].state == "alive":
+                    asyncs[r] = self.view(r).apply_async(bootstrap.teardown_process_group)
+        return list(gather(asyncs, timeout).results)
 
     def rebuild_process_group(self) -> float:
         """New generation on a fresh port on every rank; returns seconds taken."""
@@ -258,35 +251,25 @@ class ClusterCore:
         if dead:
             raise NbdistError(
                 f"rank(s) {dead} are dead: the process group cannot be rebuilt without them. "
-                "Run %dist_restart (Cluster.restart()) for a full cluster."
-            )
+                "Run %dist_restart (Cluster.restart()) for a full cluster.")
         started = time.perf_counter()
-        self.generation += 1
-        port = self.rendezvous.port(self._client, self.ranks[0].spec.engine_id,
-                                     self.config.start.bootstrap_timeout)
-        rank_calls.rebuild_process_groups(
-            {p.spec.engine_id: self._client[p.spec.engine_id] for p in self.ranks},
-            port=port, generation=self.generation, master_addr=self.master_addr,
-            store_path=self.rendezvous.store_path(self.workdir, self.generation),
-            timeout=self.config.start.rebuild_timeout)
+        self._new_generation([], {}, {}, living=self.ranks)
         return time.perf_counter() - started
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
-        rank_calls.push(self.channel(), targets, values, self.config.start.bootstrap_timeout)
+        self.channel().push(targets, values, self.config.start.bootstrap_timeout)
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
-        return rank_calls.pull(self.channel(), targets, name, self.config.start.bootstrap_timeout)
+        return self.channel().pull(targets, name, self.config.start.bootstrap_timeout)
 
-    # ------------------------------------------------------------------ restart / stop
     def restart(self, progress: Progress | None = None) -> ClusterCore:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a
         lost controller."""
-        say = progress or (lambda _msg: None)
-        mode = self.launch_mode
+        say, mode = progress or (lambda _msg: None), self.launch_mode
         n = self.world_size or mode.rank_count(self.requested_n)
         started = time.perf_counter()
         if not mode.can_restart_in_place(self.controller_lost):
@@ -307,14 +290,48 @@ class ClusterCore:
     def _abandon_restart(self) -> Interrupted:
         """The stop button during a restart: stop the engines started so far (half set up, they
         would hold ports and wait for peers) and leave every rank dead, for the next restart."""
-        # ipyparallel's loop thread may still be launching the new ones
-        self.launch_mode.stop_engines(self.ranks)
+        self.launch_mode.stop_engines(self.ranks)  # its loop thread may still be launching some
         for proc in self.ranks:
             if proc.state == "alive":
                 self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")
         return Interrupted(
             "the restart was interrupted: the engines it had started are stopped and no rank is "
             "running; run %dist_restart (Cluster.restart()) again for a full cluster")
+
+    def replace_dead(self, progress: Progress | None = None) -> list[int]:
+        """New processes for the dead ranks only (same numbers and devices), and a new process
+        group that every rank joins: the living ranks keep their variables, the new ones start
+        empty (no setup cell is re-run: it may hold collectives the others would repeat). Local
+        engines only; otherwise use `restart`. Returns the ranks replaced."""
+        self._require_running()
+        self.poll_dead()
+        dead = [p for p in self.ranks if p.state == "dead"]
+        if not dead:
+            return []
+        started, mode = time.perf_counter(), self.launch_mode
+        say = progress or (lambda _msg: None)
+        mode.check_replaceable(self.controller_lost)
+        alive = [p for p in self.ranks if p.state == "alive"]
+        if not alive:
+            raise NbdistError("every rank is dead: nothing is left to keep; run %dist_restart "
+                              "(Cluster.restart())")
+        say(f"replacing rank(s) {', '.join(str(p.spec.rank) for p in dead)}; "
+            f"rank(s) {', '.join(str(p.spec.rank) for p in alive)} keep their state")
+        # the living ranks' group waits for a dead peer: end it so they can join the new one
+        self.teardown_process_group([p.spec.rank for p in alive],
+                                    timeout=self.config.start.rebuild_timeout)
+        new_ids = mode.start_replacements(len(dead), self.ranks, say)
+        probes = rank_setup.probe(mode.client, new_ids, self.config.start.bootstrap_timeout)
+        specs = [dataclasses.replace(p.spec, engine_id=eid)
+                 for p, eid in zip(dead, new_ids, strict=True)]
+        # the rank it replaces had its host's share of the cores worked out already
+        threads = {p.spec.rank: self.requested_threads or p.threads for p in dead}
+        for proc in self._new_generation(specs, probes, threads, living=alive):
+            self.ranks[proc.spec.rank] = proc
+            self.telemetry.rank_state(proc.spec.rank, "restarted", f"pid {proc.pid}")
+        self._settled(new_ids)
+        self.start_seconds = time.perf_counter() - started
+        return [s.rank for s in specs]
 
     def stop(self) -> list[int]:
         """Stop every process this cluster started, by PID; returns the PIDs that were stopped."""
@@ -323,7 +340,8 @@ class ClusterCore:
         return pids
 
     def _teardown_processes(self) -> None:
-        close_channel(self.cell_channel)
+        if self.cell_channel is not None:
+            self.cell_channel.close()
         self.cell_channel = None
         self.launch_mode.stop(self.ranks)
         self._processes.stop_watchdog()
@@ -340,7 +358,8 @@ class ClusterCore:
     def __repr__(self) -> str:
         if not self.running:
             return "<nbdist.Cluster (not running)>"
-        return f"<nbdist.Cluster {self.world_size} ranks, {self.backend}, generation {self.generation}>"
+        return (f"<nbdist.Cluster {self.world_size} ranks, {self.backend}, "
+                f"generation {self.generation}>")
 
 
 def _stop_at_exit(ref: weakref.ReferenceType[ClusterCore]) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from nbdist.errors import ClusterStartError
 from nbdist.text import tail
 
 K = TypeVar("K", bound=Hashable)
@@ -29,19 +30,22 @@ def gather(asyncs: Mapping[K, Any], timeout: float) -> Gathered[K]:
         try:
             out.results[key] = ar.get(timeout=max(0.0, deadline - time.monotonic()))
         except Exception as exc:  # a RemoteError carries the engine-side traceback
-            if ar.ready():
-                out.failures[key] = short_error(exc)
-            else:
-                out.failures[key] = f"no answer within {timeout:g} s"
+            ready = ar.ready()
+            out.failures[key] = short_error(exc) if ready else f"no answer within {timeout:g} s"
     return out
+
+
+def collect(asyncs: Mapping[K, Any], timeout: float, what: str) -> dict[K, Any]:
+    """Every result, or one ClusterStartError that names each engine that failed and why."""
+    gathered = gather(asyncs, timeout)
+    if gathered.failures:
+        lines = [f"engine {key}: {why}" for key, why in gathered.failures.items()]
+        raise ClusterStartError(f"{what} failed:\n" + "\n".join(lines))
+    return gathered.results
 
 
 def short_error(exc: BaseException) -> str:
     """`EName: value` and the last lines of the engine-side traceback, if any."""
-    ename = getattr(exc, "ename", type(exc).__name__)
-    evalue = getattr(exc, "evalue", str(exc))
+    text = f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', str(exc))}"
     tb = getattr(exc, "traceback", None)
-    text = f"{ename}: {evalue}"
-    if tb:
-        text += "\n" + tail(str(tb), 12)
-    return text
+    return f"{text}\n{tail(str(tb), 12)}" if tb else text

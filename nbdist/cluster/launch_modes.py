@@ -1,20 +1,20 @@
 """How a cluster's engines come and go, one object per launch mode: `LocalMode` (engines forked
 on this machine), `LaunchedMode` (an ipyparallel launcher: MPI, Slurm, SSH) and `AttachedMode`
-(engines someone else started; nbdist stops none of them).
-
-Each mode starts the engines, stops them, signals a rank, replaces dead ranks where it can, and
-says which processes the cluster owns; `ClusterCore` asks its mode and tests no flag itself.
+(engines someone else started). Each starts, stops, signals and replaces ranks and says which
+processes the cluster owns; no other module tests which mode it has.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Callable
 from typing import Any
 
-from nbdist.cluster import attach, rank_calls, rank_setup, watchdog
+from nbdist.cluster import rank_setup, watchdog
 from nbdist.cluster.engines import Engines, ExitHandler, ask_remote_engines_to_exit
+from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import (
     LauncherPlan,
     build_launcher_plan,
@@ -23,7 +23,8 @@ from nbdist.cluster.launchers import (
 from nbdist.cluster.processes import OwnedProcesses, Pid
 from nbdist.cluster.ranks import RankProcess
 from nbdist.config import NbdistConfig
-from nbdist.errors import NbdistError
+from nbdist.errors import ClusterStartError, NbdistError
+from nbdist.worker import bootstrap
 
 Progress = Callable[[str], None]
 
@@ -32,20 +33,14 @@ class LaunchMode:
     """What every mode answers. The defaults fit engines nbdist may signal but did not start."""
 
     name = ""
-    spans_hosts = False
-    """Engines may run on other machines: the controller and rendezvous listen off loopback."""
-
-    plan: LauncherPlan | None = None
-    """How ipyparallel starts the engines, for the modes that start them."""
-    curve = False
-    """Encrypt ipyparallel's traffic and the cell channel with CurveZMQ (`--curve`)."""
+    spans_hosts = False  # engines may run elsewhere: controller and rendezvous off loopback
+    plan: LauncherPlan | None = None  # how ipyparallel starts the engines, if this mode does
+    curve = False  # CurveZMQ on ipyparallel's traffic and the cell channel (`--curve`)
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
-        self.client: Any = None
-        """The ipyparallel client of the engines (None when the cluster is not running)."""
-        self.engines = Engines(processes, on_exit)
-        """ipyparallel's controller and engines, their logs, exits and batch job (if started)."""
+        self.client: Any = None  # the engines' ipyparallel client while the cluster runs
+        self.engines = Engines(processes, on_exit)  # controller, engines, logs, exits, batch job
 
     @property
     def config(self) -> NbdistConfig:
@@ -95,15 +90,11 @@ class LaunchMode:
         """Deliver `sig` to a rank's engine: by PID here (if it is still that process), through
         the controller for an engine on another machine (its nanny delivers it)."""
         if not self.pid_is_here(rank):
-            try:
+            with contextlib.suppress(Exception):
                 self.client.send_signal(int(sig), targets=[rank.spec.engine_id], block=False)
-            except Exception:
-                pass
         elif watchdog.same_process(rank.pid, rank.create_time) is not None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.kill(rank.pid, sig)
-            except ProcessLookupError:
-                pass
 
     def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
         """Every process this cluster started and stops: none of an attached cluster's."""
@@ -113,28 +104,28 @@ class LaunchMode:
         """The orphan watchdog's list: what to stop if the notebook's kernel dies."""
         self.processes.write_pidfile(self.owned_pids(ranks))
 
+    def _ask_remote_engines_to_exit(self, ranks: list[RankProcess]) -> None:
+        ask_remote_engines_to_exit(self.client, [
+            p.spec.engine_id for p in ranks if not self.pid_is_here(p) and p.state == "alive"])
+
 
 class _OwnedEngines(LaunchMode):
     """Engines nbdist starts through ipyparallel (controller, engines, their logs and exits)."""
 
-    early_engines = False
-    """Start the engines together with the controller (they wait for its connection file)."""
-
+    early_engines = False  # start them with the controller (they wait for its connection file)
     plan: LauncherPlan
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler, launcher: str,
                  options: dict[str, Any], interface: str | None) -> None:
         super().__init__(processes, on_exit)
         self.name, self.options, self.interface = launcher, options, interface
-        self.plan = build_launcher_plan(launcher, options, interface=interface)
+        self.plan = build_launcher_plan(launcher, options, interface=interface)  # checks them
         self.spans_hosts, self.curve = self.plan.spans_hosts, self.plan.curve
 
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
         n = self.rank_count(requested_n)
         self.engines.progress = say
         say(f"starting controller and {n} engine(s) ({self.name}) in {self.processes.workdir}")
-        # the launcher plan says how ipyparallel starts engines and where the controller listens:
-        # 127.0.0.1 for a local cluster, off loopback only across hosts
         self.plan = build_launcher_plan(self.name, self.options, n=n, interface=self.interface)
         if self.spans_hosts:
             warn_unauthenticated_rendezvous()
@@ -142,14 +133,18 @@ class _OwnedEngines(LaunchMode):
         return sorted(self.client.ids)
 
     def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
-        self.engines.progress = say
         old_ids = set(self.client.ids)
         self.stop_engines(ranks)
         old_ids.update(self.client.ids)  # any that registered while being stopped
         say(f"starting {n} new engine(s)")
+        return self._more_engines(n, ranks, old_ids, say)
+
+    def _more_engines(self, n: int, ranks: list[RankProcess], known: set[int],
+                      say: Progress) -> list[int]:
+        self.engines.progress = say
         self.engines.start_engines(n)
         self.write_pidfile(ranks)
-        return self.engines.wait_for_registration(self.client, n, known=old_ids)
+        return self.engines.wait_for_registration(self.client, n, known=known)
 
     def stop_engines(self, ranks: list[RankProcess]) -> None:
         """Those here and their helpers by PID, the others through ipyparallel, else asked."""
@@ -170,11 +165,6 @@ class _OwnedEngines(LaunchMode):
         """Processes the ranks here started (DataLoader workers...), as probed at bootstrap."""
         return [pid for rank in ranks if self.pid_is_here(rank) for pid in rank.helper_pids]
 
-    def _ask_remote_engines_to_exit(self, ranks: list[RankProcess]) -> None:
-        remote = [p.spec.engine_id for p in ranks
-                  if not self.pid_is_here(p) and p.state == "alive"]
-        ask_remote_engines_to_exit(self.client, remote)
-
 
 class LocalMode(_OwnedEngines):
     """Engines on this machine, forked from nbdist's warm fork server (or started cold): each is
@@ -191,11 +181,8 @@ class LocalMode(_OwnedEngines):
                               "back (%dist_restart, Cluster.restart())")
 
     def start_replacements(self, count: int, ranks: list[RankProcess], say: Progress) -> list[int]:
-        self.engines.progress = say
         known = set(self.client.ids) | {p.spec.engine_id for p in ranks if p.state == "dead"}
-        self.engines.start_engines(count)
-        self.write_pidfile(ranks)
-        return self.engines.wait_for_registration(self.client, count, known=known)
+        return self._more_engines(count, ranks, known, say)
 
 
 class LaunchedMode(_OwnedEngines):
@@ -212,37 +199,87 @@ class LaunchedMode(_OwnedEngines):
 
 class AttachedMode(LaunchMode):
     """The engines of an ipyparallel cluster someone else started (`ipcluster start`, a Slurm
-    job): nbdist connects, makes ranks of them and leaves them as it found them."""
+    job): nbdist connects, makes ranks of them and leaves them as it found them, starting and
+    killing none of its processes."""
 
     name = "attached"
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler,
                  target: dict[str, Any]) -> None:
         super().__init__(processes, on_exit)
-        self.target = target
+        self.target = target  # ipyparallel.Client's arguments
 
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
-        self.client, ids = attach.attach_engines(self.target, requested_n, self.config, say)
+        import ipyparallel as ipp
+
+        options = dict(self.target)
+        try:  # url_file positionally: ipyparallel 9 ignores the keyword (and finds another)
+            self.client = ipp.Client(options.pop("url_file", None), **options)
+        except (OSError, ValueError) as exc:
+            raise ClusterStartError(
+                f"no running ipyparallel cluster found for {self.target}: {exc}. "
+                "Start one first (ipcluster start --profile P), or check profile/cluster_id."
+            ) from None
+        started = engines_started(self.target) if requested_n is None else None
+        try:
+            ids = self.engines.wait_for_registration(self.client, requested_n or started)
+        except ClusterStartError:
+            if started is None:
+                raise
+            ids = self.engines.wait_for_registration(self.client, None)
+            say(f"only {len(ids)} of the {started} engine(s) the cluster file lists registered "
+                f"within {self.config.start.engine_start_timeout:.0f} s; using those")
+        say(f"attached to {len(ids)} engine(s) of an existing cluster ({self.target})")
         return ids
 
     def can_restart_in_place(self, controller_lost: bool) -> bool:
         return self.client is not None  # else attach again: nbdist cannot start its controller
 
     def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
-        """nbdist does not own these engines: the living ones leave their group, and it waits for
-        n of them (the living ones and any the user started)."""
+        """The living engines leave their group, and it waits for n of them (the living ones and
+        any the user started): nbdist does not own these."""
         alive = [p for p in ranks if p.state == "alive" and p.spec.engine_id in self.client.ids]
-        views = {p.spec.rank: self.client[p.spec.engine_id] for p in alive}
-        rank_calls.teardown_process_groups(views, self.config.start.rebuild_timeout)
+        self._call_each(alive, bootstrap.teardown_process_group, self.config.start.rebuild_timeout)
         say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
-        dead_ids = [p.spec.engine_id for p in ranks if p not in alive]
-        return attach.wait_for_registered(self.client, n, self.config, exclude=dead_ids)
+        dead = [p.spec.engine_id for p in ranks if p not in alive]
+        return self.engines.wait_for_registration(self.client, n, known=dead)
 
     def stop(self, ranks: list[RankProcess]) -> None:
+        """Each living engine stops its telemetry and leaves the process group (best effort)."""
         if self.client is not None:
-            alive = [p.spec.engine_id for p in ranks if p.state == "alive"]
-            attach.leave_engines(self.client, alive, self.config.start.stop_timeout)
+            alive = [p for p in ranks if p.state == "alive" and p.spec.engine_id in self.client.ids]
+            self._call_each(alive, bootstrap.shutdown_rank, self.config.start.stop_timeout)
         super().stop(ranks)
+
+    def _call_each(self, ranks: list[RankProcess], function: Callable[[], Any],
+                   timeout: float) -> None:
+        gather({p.spec.rank: self.client[p.spec.engine_id].apply_async(function) for p in ranks},
+               timeout)
+
+
+def attach_target(profile: str | None, cluster_id: str, profile_dir: str | None,
+                  url_file: str | None) -> dict[str, Any]:
+    """ipyparallel.Client's arguments for the cluster `Cluster.attach` was pointed at."""
+    if url_file:
+        return {"url_file": url_file}
+    if profile_dir:
+        return {"cluster_id": cluster_id, "profile_dir": profile_dir}
+    return {"cluster_id": cluster_id, "profile": profile or "default"}
+
+
+def engines_started(target: dict[str, Any]) -> int | None:
+    """How many engines the cluster's file (`ipcluster start` writes one) says were started, so
+    attaching right after a start waits for all of them; None without a readable file."""
+    if "url_file" in target:
+        return None
+    import ipyparallel as ipp
+
+    try:
+        with open(ipp.Cluster(shutdown_atexit=False, **target).cluster_file) as file:
+            sets = json.load(file)["engines"]["sets"].values()
+        return sum(int(engine_set["n"]) for engine_set in sets) or None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
 
 
 def launch_mode(processes: OwnedProcesses, on_exit: ExitHandler, *, launcher: str,

@@ -1,9 +1,6 @@
-"""How engines start: `launcher="local"|"mpi"|"slurm"|"ssh"` mapped onto ipyparallel's own launchers.
-
-Pure functions from nbdist's options to a traitlets `Config` plus `ipyparallel.Cluster` keyword
-arguments; nbdist never starts a remote process itself. Also says which launchers' PIDs are processes
-on this machine (the only ones nbdist may signal or kill by PID).
-"""
+"""How engines start: `launcher="local"|"mpi"|"slurm"|"ssh"` mapped onto ipyparallel's own
+launchers, as a traitlets `Config` plus `ipyparallel.Cluster` keyword arguments (pure functions);
+and which launchers' PIDs are processes on this machine, the only ones nbdist signals by PID."""
 
 from __future__ import annotations
 
@@ -11,12 +8,12 @@ import socket
 import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from traitlets.config import Config
 
-from nbdist.cluster.launcher_options import (
+from nbdist.cluster.arguments import (
     address_option,
     as_list,
     check_passthrough,
@@ -29,18 +26,11 @@ from nbdist.cluster.launcher_options import (
 from nbdist.errors import NbdistError, NbdistWarning
 from nbdist.worker import net
 
-__all__ = ["LAUNCHERS", "LauncherPlan", "MultiHostWarning", "build_launcher_plan",
-           "engine_command", "has_local_pid", "ssh_engine_hosts"]
-
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 """The values `launcher=` (and `%dist_start --launcher`) accept."""
 
-ENGINE_SET_CLASS = {
-    "local": "LocalEngineSetLauncher",
-    "mpi": "MPIEngineSetLauncher",
-    "slurm": "SlurmEngineSetLauncher",
-    "ssh": "SSHEngineSetLauncher",
-}
+ENGINE_SET_CLASS = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
+                    "slurm": "SlurmEngineSetLauncher", "ssh": "SSHEngineSetLauncher"}
 
 # Friendly option names -> the ipyparallel trait they set on the engine-set launcher.
 _OPTION_TRAITS: dict[str, dict[str, str]] = {
@@ -58,7 +48,8 @@ _OPTION_TRAITS: dict[str, dict[str, str]] = {
     },
     "local": {},
 }
-_LIST_TRAITS = {"mpi_cmd", "mpi_args", "ssh_cmd", "ssh_args", "scp_cmd", "scp_args", "submit_command"}
+_LIST_TRAITS = {"mpi_cmd", "mpi_args", "ssh_cmd", "ssh_args", "scp_cmd", "scp_args",
+                "submit_command"}
 # Options every launcher understands (consumed by nbdist, not handed to an engine set).
 _COMMON_OPTIONS = {
     "controller_ip", "controller_location", "controller_args", "curve", "engine_python",
@@ -93,18 +84,17 @@ class LauncherPlan:
     config: Config
     """traitlets config for ipyparallel.Cluster (engine-set launcher class and its traits)."""
 
-    cluster_kwargs: dict[str, Any] = field(default_factory=dict)
+    cluster_kwargs: dict[str, Any]
     """Keyword arguments for ipyparallel.Cluster (controller address, engine launcher, args)."""
 
-    spans_hosts: bool = False
+    spans_hosts: bool
     """Engines may run on other machines: bind off loopback, find MASTER_ADDR among the ranks."""
 
-    engine_pids_local: bool = True
+    engine_pids_local: bool
     """The engine-set launcher's PIDs are processes on this machine (safe to signal by PID)."""
 
-    curve: bool = False
-    """Encrypt with CurveZMQ (`--curve`): ipyparallel's traffic, and the cell channel on one host
-    too (across hosts it always is)."""
+    curve: bool
+    """Encrypt with CurveZMQ (`--curve`) ipyparallel's traffic and the cell channel."""
 
 
 def engine_command(python: str | None = None) -> list[str]:
@@ -112,33 +102,8 @@ def engine_command(python: str | None = None) -> list[str]:
     return [python or sys.executable, "-m", "nbdist.worker.engine"]
 
 
-def _mpi_spans_hosts(mpi_args: list[str]) -> bool:
-    return any(arg.split("=", 1)[0] in _MPI_HOST_FLAGS for arg in mpi_args)
-
-
-def route_source(peer: str) -> str:
-    """The local address the kernel would use to reach `peer` (no packet is sent)."""
-    try:
-        return net.route_source(peer)
-    except OSError as exc:
-        raise NbdistError(
-            f"cannot tell how this machine reaches {peer!r} ({exc}); pass "
-            "controller_ip= (the address the engines should connect to) or interface="
-        ) from None
-
-
-def _host_part(location: str) -> str:
-    host = location.rsplit("@", 1)[-1]
-    return host.split(":", 1)[0]
-
-
-def build_launcher_plan(
-    launcher: str = "local",
-    options: Mapping[str, Any] | None = None,
-    *,
-    n: int | None = None,
-    interface: str | None = None,
-) -> LauncherPlan:
+def build_launcher_plan(launcher: str = "local", options: Mapping[str, Any] | None = None, *,
+                        n: int | None = None, interface: str | None = None) -> LauncherPlan:
     """Map nbdist's launcher choice and options onto ipyparallel (no process is started).
 
     `options` take friendly names (mpi_args, partition, hosts, ...), the common ones
@@ -148,19 +113,19 @@ def build_launcher_plan(
     if launcher not in LAUNCHERS:
         raise NbdistError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     opts = dict(options or {})
-    engine_set = ENGINE_SET_CLASS[launcher]
     cfg = Config()
-    engine_python = (text_option(opts.pop("engine_python"), "engine_python")
-                     if "engine_python" in opts else None)
+    engine_set = cfg[ENGINE_SET_CLASS[launcher]]
+    python = opts.pop("engine_python", None)
+    python = None if python is None else text_option(python, "engine_python")
     passthrough = check_passthrough({k: opts.pop(k) for k in list(opts) if "." in k})
-    _set_friendly_options(launcher, opts, cfg[engine_set])
-    placement = _PLACEMENTS[launcher](cfg, opts, n, engine_python)
-    spans_hosts = flag(opts.pop("spans_hosts")) if "spans_hosts" in opts else placement.spans_hosts
-    if interface is not None:
-        spans_hosts = True
+    _set_friendly_options(launcher, opts, engine_set)
+    spans_hosts, python = _place(launcher, cfg, opts, n, python)
+    engine_pids_local = launcher == "local" or (launcher == "mpi" and not spans_hosts)
+    if "spans_hosts" in opts:
+        spans_hosts = flag(opts.pop("spans_hosts"))
+    spans_hosts = spans_hosts or interface is not None
 
-    command = engine_command(placement.engine_python)
-    cfg[engine_set].engine_cmd = command
+    engine_set.engine_cmd = command = engine_command(python)
     if launcher in ("local", "ssh"):  # their per-engine launchers take the command too
         cfg[f"{'Local' if launcher == 'local' else 'SSH'}EngineLauncher"].engine_cmd = command
     if "environment" in opts:
@@ -168,20 +133,18 @@ def build_launcher_plan(
         if not isinstance(environment, Mapping):
             raise NbdistError(f"launcher option environment={environment!r}: give a dict of "
                               "variable names to values (Cluster(launcher_options=...))")
-        cfg[engine_set].environment = {str(k): str(v) for k, v in environment.items()}
+        engine_set.environment = {str(k): str(v) for k, v in environment.items()}
 
     curve = flag(opts.pop("curve", False))
-    controller_args = _controller_args(opts, spans_hosts, curve)
-    cluster_kwargs: dict[str, Any] = {"engine_launcher_class": f"ipyparallel.cluster.launcher.{engine_set}"}
-    cluster_kwargs.update(_controller_address(opts, spans_hosts, interface, launcher, cfg[engine_set]))
+    cluster_kwargs: dict[str, Any] = {
+        "engine_launcher_class": f"ipyparallel.cluster.launcher.{ENGINE_SET_CLASS[launcher]}",
+        "controller_args": _controller_args(opts, spans_hosts, curve),
+        **_controller_address(opts, spans_hosts, interface, launcher, engine_set)}
     assert opts == {}, opts  # every option was consumed above
-
     for key, value in passthrough.items():
         cls_name, trait = key.split(".", 1)
         cfg[cls_name][trait] = value
-    cluster_kwargs["controller_args"] = controller_args
-    return LauncherPlan(launcher, cfg, cluster_kwargs, spans_hosts, placement.engine_pids_local,
-                        curve)
+    return LauncherPlan(launcher, cfg, cluster_kwargs, spans_hosts, engine_pids_local, curve)
 
 
 def _set_friendly_options(launcher: str, opts: dict[str, Any], engine_set: Config) -> None:
@@ -189,99 +152,68 @@ def _set_friendly_options(launcher: str, opts: dict[str, Any], engine_set: Confi
     friendly = _OPTION_TRAITS[launcher]
     unknown = sorted(k for k in opts if k not in friendly and k not in _COMMON_OPTIONS)
     if unknown:
-        known = sorted(set(friendly) | _COMMON_OPTIONS)
         raise NbdistError(
             f"launcher {launcher!r} does not take option(s) {', '.join(unknown)}; it takes "
-            f"{', '.join(known)} or any ipyparallel trait as 'Class.trait'"
-        )
+            f"{', '.join(sorted(set(friendly) | _COMMON_OPTIONS))} or any ipyparallel trait as "
+            "'Class.trait'")
     for key, trait in friendly.items():
         if key in opts:
             value = opts.pop(key)
-            engine_set[trait] = as_list(value, key) if trait in _LIST_TRAITS else text_option(value, key)
+            engine_set[trait] = (as_list(value, key) if trait in _LIST_TRAITS
+                                 else text_option(value, key))
 
 
-@dataclass(frozen=True)
-class _Placement:
-    """Where one launcher's engines run, as far as the options tell."""
-
-    spans_hosts: bool
-    engine_pids_local: bool
-    engine_python: str | None
-
-
-def _no_hosts(launcher: str, opts: dict[str, Any]) -> None:
-    if "hosts" in opts:
+def _place(launcher: str, cfg: Config, opts: dict[str, Any], n: int | None,
+           python: str | None) -> tuple[bool, str | None]:
+    """Whether the engines may run on other machines, as far as the options tell, and the
+    Python that runs them there."""
+    engine_set = cfg[ENGINE_SET_CLASS[launcher]]
+    if launcher in ("local", "slurm") and "hosts" in opts:
         raise NbdistError(f"launcher {launcher!r} does not take hosts (only ssh and mpi do)")
-
-
-def _place_local(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
-    _no_hosts("local", opts)
-    return _Placement(spans_hosts=False, engine_pids_local=True, engine_python=python)
-
-
-def _place_slurm(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
-    _no_hosts("slurm", opts)
-    slurm = cfg[ENGINE_SET_CLASS["slurm"]]
-    if "options" in slurm:
-        slurm_options_into_template(slurm)
-    return _Placement(spans_hosts=True, engine_pids_local=False, engine_python=python)
-
-
-def _place_mpi(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
-    mpi = cfg[ENGINE_SET_CLASS["mpi"]]
-    spans_hosts = _mpi_spans_hosts(list(mpi.get("mpi_args", [])))
-    if "hosts" in opts:
-        hosts = opts.pop("hosts")
-        names = as_list(hosts.replace(",", " ") if isinstance(hosts, str) else hosts, "hosts")
-        if not names:
-            raise NbdistError(f"mpi hosts={hosts!r}: name at least one host")
-        mpi.mpi_args = ["--host", ",".join(names), *mpi.get("mpi_args", [])]
-        spans_hosts = True
-    # mpiexec's PID is local; the ranks it placed on other machines are not
-    return _Placement(spans_hosts=spans_hosts, engine_pids_local=not spans_hosts, engine_python=python)
-
-
-def _place_ssh(cfg: Config, opts: dict[str, Any], n: int | None, python: str | None) -> _Placement:
-    if "hosts" not in opts:
-        raise NbdistError(
-            "--launcher ssh needs hosts: launcher_options={'hosts': ['node1', 'node2']} "
-            "(or {'node1': 4, 'node2': 4}; %dist_start --hosts node1,node2)"
-        )
-    ssh = cfg[ENGINE_SET_CLASS["ssh"]]
-    ssh.engines = ssh_engine_hosts(opts.pop("hosts"), n)
-    remote_python = ssh.get("remote_python") or python or sys.executable
-    ssh.remote_python = remote_python
-    # the engines get the controller's connection info in their environment (sent over
-    # ssh's stdin, never argv), so no key file is copied to the remote hosts
-    cfg.SSHEngineLauncher.to_send = []
-    return _Placement(spans_hosts=True, engine_pids_local=False, engine_python=remote_python)
-
-
-_PLACEMENTS = {"local": _place_local, "mpi": _place_mpi, "slurm": _place_slurm, "ssh": _place_ssh}
+    if launcher == "slurm" and "options" in engine_set:
+        slurm_options_into_template(engine_set)
+    if launcher == "mpi":
+        args = list(engine_set.get("mpi_args", []))
+        if "hosts" in opts:
+            hosts = opts.pop("hosts")
+            names = as_list(hosts.replace(",", " ") if isinstance(hosts, str) else hosts, "hosts")
+            if not names:
+                raise NbdistError(f"mpi hosts={hosts!r}: name at least one host")
+            engine_set.mpi_args = args = ["--host", ",".join(names), *args]
+        return any(arg.split("=", 1)[0] in _MPI_HOST_FLAGS for arg in args), python
+    if launcher == "ssh":
+        if "hosts" not in opts:
+            raise NbdistError(
+                "--launcher ssh needs hosts: launcher_options={'hosts': ['node1', 'node2']} "
+                "(or {'node1': 4, 'node2': 4}; %dist_start --hosts node1,node2)")
+        engine_set.engines = ssh_engine_hosts(opts.pop("hosts"), n)
+        engine_set.remote_python = engine_set.get("remote_python") or python or sys.executable
+        # the engines get the controller's connection info in their environment (over ssh's
+        # stdin, never argv), so no key file is copied to the remote hosts
+        cfg.SSHEngineLauncher.to_send = []
+        return True, engine_set.remote_python
+    return launcher == "slurm", python
 
 
 def _controller_args(opts: dict[str, Any], spans_hosts: bool, curve: bool) -> list[str]:
     """Log level, CurveZMQ and heartbeat settings for the controller (popped from `opts`)."""
-    # ipyparallel's controller logs every request at INFO and warns about every telemetry
-    # payload ("unhandled iopub msg_type: 'data_message'"): ~9 MB an hour of training on 8
-    # ranks. Errors only, unless the user's own --log-level (later on the line) says otherwise.
-    args: list[str] = ["--log-level=40"]
-    args += as_list(opts.pop("controller_args", []), "controller_args")
+    # the controller logs every request at INFO and warns about every telemetry payload: errors
+    # only, unless the user's own --log-level (later on the line) says otherwise
+    args: list[str] = ["--log-level=40", *as_list(opts.pop("controller_args", []),
+                                                   "controller_args")]
     if curve:
         args.append("--IPController.enable_curve=True")
-    if spans_hosts:
-        # a dead host's engines are found by the controller's heartbeat (their PIDs are remote)
+    if spans_hosts:  # a dead host's engines are found by the heartbeat (their PIDs are remote)
         period = whole_option(opts.pop("heartbeat_period_ms", 1000), "heartbeat_period_ms")
         misses = whole_option(opts.pop("heartbeat_misses", 5), "heartbeat_misses")
     else:
-        # the hub completes an engine's registration on a heartbeat: at ipyparallel's 3 s period
-        # the engines of a local cluster waited up to 3 s for it (at 500 ms: 0.25 s on average of
-        # every start and restart). Same tolerance (30 s) as its default; the pings are answered
-        # by a C thread, so a busy engine is never missed.
+        # the hub completes an engine's registration on a heartbeat: a short period starts
+        # engines sooner, with ipyparallel's own 30 s tolerance (a C thread answers the pings)
         period = whole_option(opts.pop("heartbeat_period_ms", 100), "heartbeat_period_ms")
         misses = whole_option(opts.pop("heartbeat_misses", max(10, 30_000 // period)),
                               "heartbeat_misses")
-    return args + [f"--HeartMonitor.period={period}", f"--HeartMonitor.max_heartmonitor_misses={misses}"]
+    return [*args, f"--HeartMonitor.period={period}",
+            f"--HeartMonitor.max_heartmonitor_misses={misses}"]
 
 
 def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str | None,
@@ -298,13 +230,19 @@ def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str 
             if controller_ip is None:
                 raise NbdistError(
                     f"--interface {interface}: this machine has no IPv4 address on it "
-                    "(the controller binds there); pass controller_ip= explicitly"
-                )
+                    "(the controller binds there); pass controller_ip= explicitly")
         elif launcher == "ssh":
-            controller_ip = route_source(_host_part(next(iter(engine_set.engines))))
+            first = next(iter(engine_set.engines)).rsplit("@", 1)[-1].split(":", 1)[0]
+            try:
+                controller_ip = net.route_source(first)
+            except OSError as exc:
+                raise NbdistError(
+                    f"cannot tell how this machine reaches {first!r} ({exc}); pass "
+                    "controller_ip= (the address the engines should connect to) or interface="
+                ) from None
         else:
-            # engines' hosts are unknown until the batch system places them: listen on the one
-            # address they will look this host up by, never on every interface (0.0.0.0)
+            # batch-placed engines: listen on the one address they look this host up by, never
+            # on every interface (0.0.0.0)
             controller_ip = net.host_address()
             if controller_ip is None:
                 raise NbdistError(
@@ -319,7 +257,7 @@ def _controller_address(opts: dict[str, Any], spans_hosts: bool, interface: str 
     return address
 
 
-ENGINE_LOG_NOISE = "[IPEngine"  # "[IPEngine]", "[IPEngine.3]": its own chatter, left out of the log tails we show
+ENGINE_LOG_NOISE = "[IPEngine"  # "[IPEngine]", "[IPEngine.3]": its chatter, left out of log tails
 
 
 def warn_unauthenticated_rendezvous() -> None:

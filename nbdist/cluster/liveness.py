@@ -1,8 +1,6 @@
-"""Which ranks are still alive: engines' exit statuses, engines the controller dropped, and the
-one poll (`poll_dead`) that turns them into dead ranks with a reason (`killed by SIGKILL`...).
-
-Local engines are watched by PID; remote ones only through the controller's registrations.
-"""
+"""Which ranks are still alive: engines' exit statuses (local engines, by PID), engines the
+controller dropped (remote ones), and the one poll (`poll_dead`) that turns them into dead ranks
+with a reason ("killed by SIGKILL (signal 9)", a Slurm job's end...)."""
 
 from __future__ import annotations
 
@@ -16,7 +14,6 @@ from nbdist.cluster import watchdog
 from nbdist.cluster.processes import OwnedProcesses
 from nbdist.cluster.ranks import RankProcess
 from nbdist.cluster.telemetry import TelemetryHub
-from nbdist.config import NbdistConfig
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbdist.cluster.launch_modes import LaunchMode
@@ -47,10 +44,6 @@ class Liveness:
         self._exit_codes: dict[int, Any] = {}
         self._lost_ranks: list[int] = []
 
-    @property
-    def config(self) -> NbdistConfig:
-        return self.processes.config
-
     def record_exit(self, stop_data: dict[str, Any]) -> None:
         """A launcher's on_stop callback (runs on its wait thread)."""
         with self._lock:
@@ -64,8 +57,8 @@ class Liveness:
         ipp_compat.on_unregistration(client, self.engine_lost)
 
     def engine_lost(self, engine_id: int) -> None:
-        """Runs on ipyparallel's IO thread: the rank is dead at once (a cell finishing now must
-        see it), and queued so that poll_dead, on the notebook's thread, tells the listeners."""
+        """On ipyparallel's IO thread: the rank is dead at once (a cell finishing now must see
+        it), and queued so that poll_dead, on the notebook's thread, tells the listeners."""
         with self._lock:
             for proc in self.cluster.ranks:
                 here = self.cluster.launch_mode.pid_is_here(proc)
@@ -76,74 +69,64 @@ class Liveness:
     def poll_dead(self) -> dict[int, str]:
         """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc.
         Also notices a controller that is gone (`controller_lost`)."""
-        newly_dead: dict[int, str] = {}
+        cluster, job = self.cluster, self.cluster.launch_mode.engines.job
         with self._lock:
             lost, self._lost_ranks = self._lost_ranks, []
-        for rank in lost:
-            newly_dead[rank] = detail = self.cluster.ranks[rank].exit_detail
-            self.cluster.telemetry.rank_state(rank, "dead", detail)
-        job_end = self.cluster.launch_mode.engines.job_ended(False)
-        for proc in self.cluster.ranks:
+        newly_dead = {rank: cluster.ranks[rank].exit_detail for rank in lost}
+        for rank, detail in newly_dead.items():
+            cluster.telemetry.rank_state(rank, "dead", detail)
+        job_end = job.ended_detail() if job else None  # cancelled, time limit...
+        for proc in cluster.ranks:
             if proc.state == "dead":
                 continue
-            here = self.cluster.launch_mode.pid_is_here(proc)
-            detail = job_end or (self._local_exit(proc) if here else self._remote_loss(proc))
+            if cluster.launch_mode.pid_is_here(proc):
+                detail = job_end or self._local_exit(proc)
+            elif job_end or not cluster.is_registered(proc.spec.engine_id):
+                detail = job_end or _lost_detail(proc)
+            else:
+                detail = None
             if detail is not None and job_end is None:
                 # a batch job ended (scancel, time limit) is the cause, not the engine's exit
-                job_end = self.cluster.launch_mode.engines.job_ended(True)
+                job_end = job.ended_detail(fresh=True) if job else None
                 detail = job_end or detail
             if detail is not None:
-                self.cluster.mark_dead(proc.spec.rank, detail)
+                cluster.mark_dead(proc.spec.rank, detail)
                 newly_dead[proc.spec.rank] = detail
-        processes = self.processes
-        if processes.controller and not self.cluster.controller_lost and not processes.controller_alive():
-            self.cluster.controller_lost = True
+        if self.processes.controller and not self.processes.controller_alive():
+            cluster.controller_lost = True
         return newly_dead
-
-    def _remote_loss(self, proc: RankProcess) -> str | None:
-        if self.cluster.is_registered(proc.spec.engine_id):
-            return None
-        return _lost_detail(proc)
 
     def _local_exit(self, proc: RankProcess) -> str | None:
         with self._lock:
             code = self._exit_codes.get(proc.pid, "missing")
         if code == "missing":
-            alive = watchdog.same_process(proc.pid, proc.create_time) is not None
-            registered = self.cluster.is_registered(proc.spec.engine_id)
-            if alive and registered:
-                return None
-            if alive:  # running but the controller dropped it: unusable, end it
-                self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)
-                code = "unregistered from the controller"
-            else:
+            if watchdog.same_process(proc.pid, proc.create_time) is None:
                 code = self._wait_exit_code(proc.pid)
-        return describe_exit(code)
+            elif self.cluster.is_registered(proc.spec.engine_id):
+                return None
+            else:  # running but the controller dropped it: unusable, end it
+                self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)
+                return "unregistered from the controller"
+        if not isinstance(code, int):
+            return "exited (exit status unknown)"
+        if code >= 0:
+            return f"exited with code {code}"
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"killed by {name} (signal {-code})"
 
     def _wait_exit_code(self, pid: int) -> Any:
         """The launcher's wait thread reaps the engine and records its status a moment later."""
-        deadline = time.monotonic() + self.config.internal.exit_status_timeout
+        internal = self.processes.config.internal
+        deadline = time.monotonic() + internal.exit_status_timeout
         while time.monotonic() < deadline:
             with self._lock:
                 if pid in self._exit_codes:
                     return self._exit_codes[pid]
-            time.sleep(self.config.internal.exit_status_poll_interval)
+            time.sleep(internal.exit_status_poll_interval)
         return "unknown"
-
-
-def describe_exit(code: Any) -> str:
-    """An engine's exit status in words: "killed by SIGKILL (signal 9)", "exited with code 3"."""
-    if isinstance(code, str) and code.startswith("unregistered"):
-        return code
-    if isinstance(code, int):
-        if code < 0:
-            try:
-                name = signal.Signals(-code).name
-            except ValueError:
-                name = f"signal {-code}"
-            return f"killed by {name} (signal {-code})"
-        return f"exited with code {code}"
-    return "exited (exit status unknown)"
 
 
 def _lost_detail(proc: RankProcess) -> str:

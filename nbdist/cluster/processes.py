@@ -1,14 +1,10 @@
 """Every process a cluster owns, by PID: its private directory, the controller and the children it
-forks, the pid file that names them all, and the orphan watchdog that reads that file.
-
-Nothing here knows ipyparallel; `nbdist.cluster.engines` reports the engine PIDs it starts.
-"""
+forks, the pid file that names them all, and the orphan watchdog that reads that file."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -37,32 +33,25 @@ class OwnedProcesses:
         self.cancel_commands: list[list[str]] = []
         """Commands that cancel the batch jobs of the engines (scancel ID), for the watchdog."""
 
-    def create_workdir(self) -> str:
+    def create_workdir(self) -> None:
         self.workdir = tempfile.mkdtemp(prefix="nbdist-")  # 0700 by construction
         self.pidfile = os.path.join(self.workdir, "pids.json")
-        return self.workdir
 
     def record_controller(self, pid: int) -> None:
         self.controller = (pid, psutil.Process(pid).create_time())
         self._controller_children = set()
 
     def controller_alive(self) -> bool:
-        if self.controller is None:
-            return False
-        return watchdog.same_process(*self.controller) is not None
+        return self.controller is not None and watchdog.same_process(*self.controller) is not None
 
     def controller_family(self) -> list[Pid]:
-        """The controller and its children (its schedulers and heart monitor are forked
-        processes). The children are remembered: when the controller is killed they are
-        orphaned, and only the record still names them (measured: 8 left per kill)."""
+        """The controller and its children (schedulers, heart monitor), remembered: once the
+        controller is killed they are orphans that only this record still names."""
         if not self.controller:
             return []
         proc = watchdog.same_process(*self.controller)
         if proc is not None:
-            try:
-                self._controller_children |= {(c.pid, c.create_time()) for c in proc.children(recursive=True)}
-            except psutil.Error:
-                pass
+            self._controller_children.update(process_trees([proc.pid])[1:])
         return [self.controller, *sorted(self._controller_children)]
 
     def write_pidfile(self, pids: list[Pid]) -> None:
@@ -70,33 +59,21 @@ class OwnedProcesses:
             watchdog.write_pidfile(self.pidfile, pids, self.cancel_commands)
 
     def start_watchdog(self) -> None:
-        me = psutil.Process()
+        me, internal = psutil.Process(), self.config.internal
         self.watchdog = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.cluster.watchdog", "--parent", str(me.pid),
-             "--parent-create-time", repr(me.create_time()), "--pidfile", self.pidfile,
-             "--workdir", self.workdir, "--interval", str(self.config.internal.watchdog_interval),
-             "--grace", str(self.config.internal.orphan_kill_grace)],
+            [sys.executable, "-m", "nbdist.cluster.watchdog", str(me.pid), repr(me.create_time()),
+             self.pidfile, self.workdir, str(internal.watchdog_interval),
+             str(internal.orphan_kill_grace)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+            start_new_session=True)
 
     def stop_watchdog(self) -> None:
         if self.pidfile and os.path.exists(self.pidfile):
             os.remove(self.pidfile)  # tells the watchdog to exit quietly
-        if self.watchdog is None:
-            return
-        # it only sleeps between checks (up to watchdog_interval): end it now, not at its
-        # next check; its work is done, the processes it guards are already stopped
-        try:
-            self.watchdog.terminate()
-        except OSError:
-            pass
-        try:
-            self.watchdog.wait(timeout=2 * self.config.internal.watchdog_interval + 1)
-        except subprocess.TimeoutExpired:
-            self.watchdog.send_signal(signal.SIGKILL)
-            self.watchdog.wait(timeout=2)
-        self.watchdog = None
+        if self.watchdog is not None:
+            self.watchdog.terminate()  # it sleeps between checks: its work is done, end it now
+            self.watchdog.wait()
+            self.watchdog = None
 
     def remove_workdir(self) -> None:
         if self.workdir:
@@ -105,10 +82,8 @@ class OwnedProcesses:
 
 @contextmanager
 def private_files() -> Iterator[int]:
-    """While ipyparallel starts processes and writes the cluster's files (connection files with
-    the key, logs, the profile's directories): umask 077, so each is owner-only from its creation.
-    The umask is per process, so the notebook's other threads meanwhile create owner-only files
-    too (never more open ones). Yields the umask it replaced, the user's."""
+    """umask 077 while ipyparallel writes the cluster's files (connection files with the key,
+    logs), so each is owner-only from its creation; yields the user's umask it replaced."""
     previous = os.umask(0o077)
     try:
         yield previous

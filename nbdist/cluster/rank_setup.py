@@ -1,21 +1,20 @@
 """The notebook's half of the rank bootstrap: how many ranks, probe the engines, give them ranks,
-and send each the options `nbdist.worker.bootstrap.setup_rank` needs (env, threads, rendezvous).
-
-The cluster's state (generation, rank table) stays in `ClusterCore`; these only compute and call.
-"""
+and send each what `nbdist.worker.bootstrap.setup_rank` needs (env, threads, rendezvous). The
+cluster's state (generation, rank table) stays in `ClusterCore`; these only compute and call."""
 
 from __future__ import annotations
 
 import gc
 import os
 import subprocess
+import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable
 from typing import Any
 
 from nbdist import torch_support
 from nbdist.cluster.cell_channel import NotebookChannel
-from nbdist.cluster.gather import gather
+from nbdist.cluster.gather import collect, gather
 from nbdist.cluster.launchers import LauncherPlan
 from nbdist.cluster.ranks import (
     EngineInfo,
@@ -24,68 +23,57 @@ from nbdist.cluster.ranks import (
     build_rank_map,
     choose_backend,
     default_threads,
-    disjoint,
+    each_its_own,
     gpu_shortfall,
 )
 from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engine
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistWarning
 from nbdist.worker import bootstrap
-from nbdist.worker.setup_message import RankReady, RankSetup
+from nbdist.worker.setup_message import RankSetup
 
 
 def rank_count(requested_n: int | None, plan: LauncherPlan | None) -> int:
-    """-n if given, else the engines an ssh host list names, else one rank per GPU here."""
+    """-n if given, else the engines an ssh host list names, else one rank per GPU here (else
+    2 CPU ranks), counted without importing CUDA in the notebook."""
     if requested_n:
         return requested_n
     ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines") if plan else None
     if ssh_hosts:
         return int(sum(ssh_hosts.values()))
-    return _default_rank_count()
-
-
-def _default_rank_count() -> int:
-    """The number of GPUs, else 2 CPU ranks (counted without importing CUDA in the notebook)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]) or 2
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-        count = sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
-        return count or 2
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) or 2
     except (OSError, subprocess.TimeoutExpired):
         return 2
 
 
-def collect(asyncs: Mapping[int, Any], timeout: float, what: str, label: str = "engine") -> dict[int, Any]:
-    """Every result, or one ClusterStartError that names each `label` that failed and why."""
-    gathered = gather(asyncs, timeout)
-    if gathered.failures:
-        lines = [f"{label} {key}: {why}" for key, why in gathered.failures.items()]
-        raise ClusterStartError(f"{what} failed:\n" + "\n".join(lines))
-    return gathered.results
-
-
-def probe_and_plan(client: Any, ids: list[int], requested_backend: str, gpus_per_rank: int,
-                   host_order: list[str] | None, timeout: float) -> tuple[list[RankSpec], dict[int, Any]]:
-    """Probe the engines, then the rank table for them (hosts in `host_order` first: ranks
-    survive restarts); returns the table and the probes."""
+def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, Any]:
+    """What each engine is (nbdist.worker.bootstrap.probe), by engine id."""
     peer = controller_host(client)
     probes = collect({eid: client[eid].apply_async(bootstrap.probe, peer) for eid in ids},
                      timeout, "probing engines (torch import)")
-    too_old = torch_support.floor_problem({eid: probe["torch"] for eid, probe in probes.items()})
+    too_old = torch_support.floor_problem({eid: found["torch"] for eid, found in probes.items()})
     if too_old:
         raise ClusterStartError(too_old)
-    infos = [
-        EngineInfo(engine_id=eid, host=probes[eid]["host"], pid=probes[eid]["pid"],
-                   gpu_count=probes[eid]["gpu_count"],
-                   gpu_uuids=tuple(probes[eid].get("gpu_uuids") or ()),
-                   local_id=probes[eid].get("local_id"))
-        for eid in ids
-    ]
+    return probes
+
+
+def plan_ranks(probes: dict[int, Any], requested_backend: str, gpus_per_rank: int,
+               host_order: list[str] | None) -> list[RankSpec]:
+    """The rank table for the probed engines (hosts in `host_order` first: ranks survive
+    restarts)."""
+    infos = [EngineInfo(engine_id=eid, host=found["host"], pid=found["pid"],
+                        gpu_count=found["gpu_count"],
+                        gpu_uuids=tuple(found.get("gpu_uuids") or ()),
+                        local_id=found.get("local_id"))
+             for eid, found in sorted(probes.items())]
     gpus_per_rank = gpus_or_cpu(infos, requested_backend, gpus_per_rank)
     backend = choose_backend(requested_backend, [i.gpu_count for i in infos], gpus_per_rank)
-    return build_rank_map(infos, backend, gpus_per_rank, host_order=host_order), probes
+    return build_rank_map(infos, backend, gpus_per_rank, host_order=host_order)
 
 
 def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: int) -> int:
@@ -102,65 +90,59 @@ def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: 
     return 0
 
 
-def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any], *, port: int,
-                generation: int, rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                requested_threads: int | None, channel: NotebookChannel) -> list[RankProcess]:
-    """Set every rank up (environment, device, telemetry, process group generation `generation`)."""
+def rank_threads(specs: list[RankSpec], probes: dict[int, Any],
+                 requested: int | None) -> dict[int, int]:
+    """Each rank's threads: `requested`, else its host's cores shared out among the ranks there."""
     own_cores = cores_of_their_own(specs, probes)
-    asyncs = {}
-    for spec in specs:
-        probe = probes[spec.engine_id]
-        threads = requested_threads or default_threads(probe["cpu_count"] or 1,
-                                                       spec.local_world_size, own_cores[spec.host])
-        setup = rank_setup_message(spec, probe, port=port, generation=generation,
-                                   rendezvous=rendezvous, config=config, workdir=workdir,
-                                   threads=threads, channel=channel)
-        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
-    results = collect(asyncs, config.start.bootstrap_timeout,
-                      "setting up ranks and the process group")
-    return rank_processes(specs, probes, results)
-
-
-def rank_setup_message(spec: RankSpec, probe: dict[str, Any], *, port: int, generation: int,
-                       rendezvous: Rendezvous, config: NbdistConfig, workdir: str, threads: int,
-                       channel: NotebookChannel) -> RankSetup:
-    """What one rank's setup_rank call is told."""
-    return RankSetup(
-        spec=spec, master_addr=rendezvous.master_addr, port=port, generation=generation,
-        store_path=rendezvous.store_path(workdir, generation), threads=threads,
-        cwd=os.getcwd(), interface=rendezvous.rank_interface(probe),
-        private_dir=workdir if is_local_engine(probe) else None,
-        channel=channel.setup_for(rendezvous.channel_host(probe)), config=config)
+    return {s.rank: requested or default_threads(probes[s.engine_id]["cpu_count"] or 1,
+                                                 s.local_world_size, own_cores[s.host])
+            for s in specs}
 
 
 def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[str, bool]:
     """Host -> whether its engines' CPU affinities are disjoint (a launcher bound each task to
     its share already: dividing it again by the ranks on the host would starve them)."""
-    by_host: dict[str, list[frozenset[int]]] = {}
+    cores: dict[str, list[frozenset[int]]] = {}
     for spec in specs:
-        cores = frozenset(probes[spec.engine_id].get("cpu_affinity") or ())
-        by_host.setdefault(spec.host, []).append(cores)
-    return {host: len(sets) > 1 and all(sets) and disjoint(sets) for host, sets in by_host.items()}
+        affinity = probes[spec.engine_id].get("cpu_affinity") or ()
+        cores.setdefault(spec.host, []).append(frozenset(affinity))
+    return {host: each_its_own(sets) for host, sets in cores.items()}
 
 
-def rank_processes(specs: list[RankSpec], probes: dict[int, Any],
-                   results: dict[int, RankReady]) -> list[RankProcess]:
-    return [
-        RankProcess(
-            spec=spec,
-            pid=probes[spec.engine_id]["pid"],
-            create_time=probes[spec.engine_id]["create_time"],
-            device=results[spec.engine_id].device,
-            threads=results[spec.engine_id].threads,
-            helper_pids=[tuple(c) for c in probes[spec.engine_id]["children"]],
-            local=is_local_engine(probes[spec.engine_id]),
-            release_signal=probes[spec.engine_id].get("release_signal"),
-            report_signal=probes[spec.engine_id].get("report_signal"),
-            endpoint=results[spec.engine_id].endpoint,
-            notes=list(results[spec.engine_id].notes),
-        )
-        for spec in specs
-    ]
+def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
+                threads: dict[int, int], living: list[int], *, port: int, generation: int,
+                rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
+                channel: NotebookChannel) -> list[RankProcess]:
+    """One new process-group generation: each rank of `specs` sets up (environment, device,
+    telemetry) and joins it, and the `living` engines rebuild into it, both sides at once."""
+    store_path = rendezvous.store_path(workdir, generation)
+    asyncs = {}
+    for spec in specs:
+        probed = probes[spec.engine_id]
+        setup = RankSetup(
+            spec=spec, master_addr=rendezvous.master_addr, port=port, generation=generation,
+            store_path=store_path, threads=threads[spec.rank], cwd=os.getcwd(),
+            interface=rendezvous.rank_interface(probed),
+            private_dir=workdir if is_local_engine(probed) else None,
+            channel=channel.setup_for(rendezvous.channel_host(probed)), config=config)
+        asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
+    rebuilds = {eid: client[eid].apply_async(bootstrap.rebuild_process_group, port, generation,
+                                             rendezvous.master_addr, store_path)
+                for eid in living}
+    started = time.monotonic()
+    ready = collect(asyncs, config.start.bootstrap_timeout,
+                    "setting up ranks and the process group")
+    collect(rebuilds, max(1.0, config.start.rebuild_timeout - (time.monotonic() - started)),
+            "rebuilding the process group")
+    ranks = []
+    for spec in specs:
+        found, done = probes[spec.engine_id], ready[spec.engine_id]
+        ranks.append(RankProcess(
+            spec, found["pid"], found["create_time"], done.device, done.threads,
+            helper_pids=[tuple(c) for c in found["children"]], local=is_local_engine(found),
+            release_signal=found.get("release_signal"), report_signal=found.get("report_signal"),
+            endpoint=done.endpoint, notes=list(done.notes)))
+    return ranks
 
 
 def freeze_collectors(client: Any, ids: list[int], timeout: float) -> None:

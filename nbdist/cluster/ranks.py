@@ -1,12 +1,10 @@
-"""Who is which rank: pure functions from the engines that registered to ranks, devices and env,
-and the record of each rank's process (`RankProcess`).
-
-Nothing here talks to a process. Engine ids change across restarts, so ranks are derived from
-(host, a stable per-host slot) and never from engine ids.
-"""
+"""Who is which rank: pure functions from the engines that registered to ranks and devices, and
+the record of each rank's process (`RankProcess`). Engine ids change across restarts, so ranks
+come from (host, a stable per-host slot), never from engine ids."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -20,8 +18,7 @@ BACKENDS = ("auto", "nccl", "gloo")
 
 
 def validate_backend(requested: str, gpus_per_rank: int = 1) -> str:
-    """`requested` if it names a backend nbdist knows and the GPUs per rank allow, else a
-    clear error."""
+    """`requested` if it names a backend nbdist knows and the GPUs per rank allow."""
     if requested not in BACKENDS:
         raise NbdistError(f"--backend {requested!r}: choose auto, nccl or gloo")
     if requested == "nccl" and gpus_per_rank == 0:
@@ -83,17 +80,17 @@ def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> 
 def parse_ranks(text: str, world_size: int) -> list[int]:
     """Parse a rank selection such as ``"0,2-3"`` into a sorted list, checking bounds."""
     selected: set[int] = set()
-    cleaned = text.strip()
-    if not cleaned:
+    if not text.strip():
         raise NbdistError("--ranks is empty: give ranks like 0,2-3")
-    for part in cleaned.split(","):
+    for part in text.split(","):
         part = part.strip()
         try:
             if "-" in part:
                 first_text, last_text = part.split("-", 1)
                 first, last = int(first_text), int(last_text)
                 if last < first:
-                    raise NbdistError(f"--ranks range {part!r} runs backwards: write {last}-{first}")
+                    raise NbdistError(
+                        f"--ranks range {part!r} runs backwards: write {last}-{first}")
                 # only the part that exists is expanded: 0-99999999999 must not fill memory
                 selected.update(range(first, min(last, world_size) + 1), {last})
             else:
@@ -113,23 +110,15 @@ def parse_ranks(text: str, world_size: int) -> list[int]:
 
 def format_ranks(ranks: list[int]) -> str:
     """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
-    if not ranks:
-        return ""
-    ordered = sorted(ranks)
-    parts: list[str] = []
-    start = prev = ordered[0]
-    for r in ordered[1:]:
-        if r == prev + 1:
-            prev = r
-            continue
-        parts.append(f"{start}-{prev}" if prev > start else str(start))
-        start = prev = r
-    parts.append(f"{start}-{prev}" if prev > start else str(start))
+    parts = []
+    for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda pair: pair[1] - pair[0]):
+        first, *rest = [r for _, r in run]
+        parts.append(f"{first}-{rest[-1]}" if rest else str(first))
     return ",".join(parts)
 
 
 def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) -> str:
-    """'auto' -> nccl when every rank can have its own GPU(s), else gloo; explicit choices checked."""
+    """'auto' -> nccl when every rank can have its own GPU(s), else gloo; others checked."""
     validate_backend(requested, gpus_per_rank)
     have_gpus = bool(gpu_counts) and all(count > 0 for count in gpu_counts)
     if requested == "nccl" and not have_gpus:
@@ -142,70 +131,56 @@ def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) ->
     return requested
 
 
+def each_its_own(sets: list[frozenset[str]] | list[frozenset[int]]) -> bool:
+    """Several sets, none empty and no two sharing a member: each engine has GPUs (or cores) of
+    its own (Slurm --gpus-per-task, cgroup device limits, one MIG instance each)."""
+    seen: set[object] = set()
+    for one in sets:
+        if not one or seen & one:
+            return False
+        seen |= one
+    return len(sets) > 1
+
+
+def _by_host(engines: list[EngineInfo]) -> dict[str, list[EngineInfo]]:
+    """The engines of each host, hosts in first-seen order."""
+    hosts: dict[str, list[EngineInfo]] = {}
+    for engine in engines:
+        hosts.setdefault(engine.host, []).append(engine)
+    return hosts
+
+
 def gpu_shortfall(engines: list[EngineInfo], gpus_per_rank: int) -> str | None:
     """Why one rank per `gpus_per_rank` GPUs cannot be, on the first host where it cannot (its
     engines share GPUs and there are too few), or None when every rank can have its own."""
     if gpus_per_rank == 0 or not any(e.gpu_count for e in engines):
         return None  # CPU ranks asked for, or a machine without GPUs: nothing falls short
-    by_host: dict[str, list[EngineInfo]] = {}
-    for engine in engines:
-        by_host.setdefault(engine.host, []).append(engine)
-    for host, members in by_host.items():
-        sets = [frozenset(e.gpu_uuids) for e in members]
-        if len(members) > 1 and all(sets) and disjoint(sets):
-            continue
+    for host, members in _by_host(engines).items():
         visible = min(e.gpu_count for e in members)
-        if len(members) * gpus_per_rank > visible:
+        own = each_its_own([frozenset(e.gpu_uuids) for e in members])
+        if not own and len(members) * gpus_per_rank > visible:
             return (f"host {host}: {len(members)} ranks x {gpus_per_rank} GPU(s) per rank, "
                     f"{visible} GPU(s) visible")
     return None
 
 
-def build_rank_map(
-    engines: list[EngineInfo],
-    backend: str,
-    gpus_per_rank: int = 1,
-    host_order: list[str] | None = None,
-) -> list[RankSpec]:
-    """Group engines by host (first-seen or given order), order within a host by engine id.
-
-    With GPUs, local rank r on a host owns GPUs r*k ... r*k+k-1 (k = gpus_per_rank).
-    """
+def build_rank_map(engines: list[EngineInfo], backend: str, gpus_per_rank: int = 1,
+                   host_order: list[str] | None = None) -> list[RankSpec]:
+    """Group engines by host (`host_order` first, then first-seen), each host's in launch order;
+    with GPUs, local rank r on a host owns GPUs r*k ... r*k+k-1 (k = gpus_per_rank)."""
     if not engines:
         raise NbdistError("no engines registered: nothing to give ranks to")
-    hosts: list[str] = []
-    present = {engine.host for engine in engines}
-    for host in host_order or []:  # earlier order first (one entry per rank there: dedupe)
-        if host in present and host not in hosts:
-            hosts.append(host)
-    for engine in engines:
-        if engine.host not in hosts:
-            hosts.append(engine.host)
-    by_host: dict[str, list[EngineInfo]] = {h: [] for h in hosts}
-    for engine in engines:
-        by_host[engine.host].append(engine)
-
-    use_gpus = backend == "nccl" or (
-        gpus_per_rank > 0 and all(e.gpu_count > 0 for e in engines)
-    )
+    grouped = _by_host(engines)
+    hosts = dict.fromkeys([h for h in host_order or [] if h in grouped] + list(grouped))
+    use_gpus = backend == "nccl" or (gpus_per_rank > 0 and all(e.gpu_count > 0 for e in engines))
     specs: list[RankSpec] = []
-    world_size = len(engines)
     for host in hosts:
-        members = _launch_order(by_host[host])
+        members = _launch_order(grouped[host])
         per_rank = _host_gpus(host, members, gpus_per_rank if use_gpus else 0)
         for local_rank, (engine, gpus) in enumerate(zip(members, per_rank, strict=True)):
-            specs.append(
-                RankSpec(
-                    rank=len(specs),
-                    local_rank=local_rank,
-                    world_size=world_size,
-                    local_world_size=len(members),
-                    host=host,
-                    engine_id=engine.engine_id,
-                    backend=backend,
-                    gpus=gpus,
-                )
-            )
+            specs.append(RankSpec(rank=len(specs), local_rank=local_rank, world_size=len(engines),
+                                  local_world_size=len(members), host=host,
+                                  engine_id=engine.engine_id, backend=backend, gpus=gpus))
     return specs
 
 
@@ -217,32 +192,20 @@ def _launch_order(members: list[EngineInfo]) -> list[EngineInfo]:
     return sorted(members, key=lambda e: e.engine_id)
 
 
-def disjoint(sets: list[frozenset[str]] | list[frozenset[int]]) -> bool:
-    """No two of `sets` share a member (each engine has devices or cores of its own)."""
-    seen: set[object] = set()
-    for one in sets:
-        if seen & one:
-            return False
-        seen |= one
-    return True
-
-
 def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tuple[int, ...]]:
-    """Each member's GPUs, as indices it sees. Engines that all see the same GPUs split them:
-    local rank r owns r*k ... r*k+k-1. Engines that see disjoint sets (Slurm --gpus-per-task,
-    cgroup device limits, one MIG instance each) own the first k of their own."""
+    """Each member's GPUs, as indices it sees: engines that see the same GPUs split them, those
+    that see GPUs of their own own the first `per_rank` of them."""
     if per_rank == 0:
         return [() for _ in members]
     sets = [frozenset(e.gpu_uuids) for e in members]
-    own = len(members) > 1 and all(sets) and disjoint(sets)
-    if own:
+    if each_its_own(sets):
         short = [e for e in members if e.gpu_count < per_rank]
         if short:
             raise NbdistError(
                 f"host {host}: each engine sees GPUs of its own, and engine {short[0].engine_id} "
                 f"sees {short[0].gpu_count}, fewer than --gpus-per-rank {per_rank}. Give each "
-                f"task {per_rank} GPU(s) (e.g. --gpus-per-task={per_rank}) or lower --gpus-per-rank."
-            )
+                f"task {per_rank} GPU(s) (e.g. --gpus-per-task={per_rank}) or lower "
+                "--gpus-per-rank.")
         return [tuple(range(per_rank)) for _ in members]
     if all(sets) and len(set(sets)) > 1:
         raise NbdistError(
@@ -253,10 +216,9 @@ def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tupl
     visible = min(e.gpu_count for e in members)
     if needed > visible:
         raise NbdistError(
-            f"host {host}: {len(members)} ranks x {per_rank} GPU(s) per rank "
-            f"needs {needed} GPUs, but {visible} are visible. "
-            f"Start fewer ranks (-n {max(visible // per_rank, 1)}) "
-            f"or lower --gpus-per-rank."
+            f"host {host}: {len(members)} ranks x {per_rank} GPU(s) per rank needs {needed} "
+            f"GPUs, but {visible} are visible. Start fewer ranks (-n "
+            f"{max(visible // per_rank, 1)}) or lower --gpus-per-rank."
         )
     return [tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(members))]
 
@@ -264,6 +226,4 @@ def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tupl
 def default_threads(cpu_count: int, local_world_size: int, own_cores: bool = False) -> int:
     """Cores divided by the ranks on this host, at least one; all of `cpu_count` when each
     rank's affinity is its own already (Slurm binds each task to its share)."""
-    if own_cores:
-        return max(1, cpu_count)
-    return max(1, cpu_count // max(1, local_world_size))
+    return max(1, cpu_count if own_cores else cpu_count // max(1, local_world_size))

@@ -1,8 +1,6 @@
-"""Where the ranks meet: the master address (rank 0's), the interface their sockets use, and per
-process-group generation a fresh store (a file in the private directory, or a port on rank 0).
-
-On one host nothing leaves loopback; across hosts the caveats are in `launchers.RENDEZVOUS_WARNING`.
-"""
+"""Where the ranks meet: the master address (rank 0's), the interface their sockets use, where
+each end of the cell channel listens, and per process-group generation a fresh store (a file in
+the private directory, or a port on rank 0). On one host nothing leaves loopback."""
 
 from __future__ import annotations
 
@@ -38,12 +36,19 @@ class Rendezvous:
         )
         if self.spans_hosts and not plan_spans_hosts:
             warn_unauthenticated_rendezvous()  # found out only now (attached engines elsewhere)
-        if self.requested_master_addr is not None:
-            self.master_addr = self.requested_master_addr
-        elif not self.spans_hosts:
-            self.master_addr = "127.0.0.1"
-        else:
-            self.master_addr = _rank0_address(probes[specs[0].engine_id], specs[0].host, self.interface)
+        self.master_addr = self.requested_master_addr or "127.0.0.1"
+        if self.spans_hosts and self.requested_master_addr is None:
+            rank0, host = probes[specs[0].engine_id], specs[0].host
+            address = _probe_address(rank0, self.interface)
+            if address is None and self.interface is not None:
+                raise ClusterStartError(
+                    f"--interface {self.interface}: rank 0 (host {host}) has no IPv4 address on "
+                    f"it (it has {sorted(rank0.get('addresses', {}))})")
+            if address is None:
+                raise ClusterStartError(
+                    f"could not tell which address of rank 0 (host {host}) the other ranks "
+                    "can reach; pass master_addr= (--master-addr) or interface= (--interface)")
+            self.master_addr = address
 
     def rank_interface(self, probe: dict[str, Any]) -> str | None:
         """The interface one rank's sockets use: --interface, else (across hosts) the one that
@@ -57,8 +62,7 @@ class Rendezvous:
         address on --interface, else the one it reaches the controller (this host) by."""
         if not self.spans_hosts:
             return "127.0.0.1"
-        addresses = probe.get("addresses", {}).get(self.interface or "", [])
-        address = addresses[0] if addresses else probe.get("route_address")
+        address = _probe_address(probe, self.interface) or probe.get("route_address")
         if not address:
             raise ClusterStartError(
                 f"could not tell which address of host {probe.get('host')} the notebook can reach "
@@ -71,11 +75,10 @@ class Rendezvous:
         by when the controller runs here, else the one this host reaches the first rank by."""
         if not self.spans_hosts:
             return "127.0.0.1"
-        mine = {a for addresses in net.ipv4_addresses().values() for a in addresses}
         if self.interface is not None and net.interface_ipv4(self.interface):
             return str(net.interface_ipv4(self.interface))
         controller = controller_host(client)
-        if controller in mine:
+        if controller in {a for found in net.ipv4_addresses().values() for a in found}:
             return str(controller)
         for probe in probes.values():
             if probe.get("route_address"):
@@ -102,21 +105,11 @@ class Rendezvous:
             ) from None
 
 
-def _rank0_address(rank0: dict[str, Any], host: str, interface: str | None) -> str:
-    if interface is not None:
-        addrs = rank0.get("addresses", {}).get(interface, [])
-        if not addrs:
-            raise ClusterStartError(
-                f"--interface {interface}: rank 0 (host {host}) has no IPv4 "
-                f"address on it (it has {sorted(rank0.get('addresses', {}))})"
-            )
-        return str(addrs[0])
-    if not rank0.get("route_address"):
-        raise ClusterStartError(
-            f"could not tell which address of rank 0 (host {host}) the other ranks "
-            "can reach; pass master_addr= (--master-addr) or interface= (--interface)"
-        )
-    return str(rank0["route_address"])
+def _probe_address(probe: dict[str, Any], interface: str | None) -> str | None:
+    """A rank's address on `interface`, else (none given) the one it reaches the controller by."""
+    found = (probe.get("addresses", {}).get(interface, []) if interface is not None
+             else [probe.get("route_address")])
+    return str(found[0]) if found and found[0] else None
 
 
 def is_local_engine(probe: dict[str, Any]) -> bool:

@@ -1,8 +1,5 @@
-"""Slurm specifics of engines submitted by ipyparallel's SlurmEngineSetLauncher: the job id, its
-state and reason (scontrol), sbatch's own error, the end of a job in words, cancelling it for good.
-
-nbdist starts no Slurm process of its own beyond these queries; ipyparallel submits and cancels.
-"""
+"""The engines' Slurm job, as ipyparallel's SlurmEngineSetLauncher submitted it: its state and
+reason (scontrol), sbatch's own error, the job's end in words, cancelling it for good."""
 
 from __future__ import annotations
 
@@ -29,8 +26,7 @@ HOPELESS_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit
 
 ENDING_REASONS = {"TimeLimit": "TIMEOUT", "NodeDown": "NODE_FAIL", "NonZeroExitCode": "FAILED",
                   "JobLaunchFailure": "FAILED"}
-"""The reason Slurm gives a COMPLETING job -> the state it ends in (seen in Slurm 22.05's own
-output: a time limit shows COMPLETING/TimeLimit, then TIMEOUT)."""
+"""The reason Slurm gives a COMPLETING job -> the state it ends in."""
 
 _FIELDS = re.compile(r"(?:^|\s)(JobState|Reason|ExitCode|TimeLimit)=(\S*)")
 
@@ -40,7 +36,7 @@ class JobState:
     """One `scontrol show job` answer about a job."""
 
     state: str
-    """PENDING, RUNNING, COMPLETING, CANCELLED, TIMEOUT...; "" once Slurm no longer knows the job."""
+    """PENDING, RUNNING, COMPLETING, CANCELLED, TIMEOUT...; "" once Slurm forgot the job."""
 
     reason: str
     """Why it waits or ended (Resources, Priority, TimeLimit, NodeDown, None...)."""
@@ -57,11 +53,14 @@ class JobState:
         return self.state not in QUEUED and self.state not in ("RUNNING", "COMPLETING")
 
     @property
+    def why(self) -> str:
+        """The reason in brackets, or "" when Slurm gives none."""
+        return f" ({self.reason})" if self.reason and self.reason != "None" else ""
+
+    @property
     def ending_as(self) -> str:
-        """The state the job ends in, "" while it runs or waits. Slurm shows an ending job as
-        COMPLETING until its steps are gone (7 s after a scancel here); its reason and exit code
-        already tell why: TimeLimit -> TIMEOUT, NodeDown -> NODE_FAIL, no reason but a signal
-        (scancel's SIGTERM ended the batch script) -> CANCELLED."""
+        """The state the job ends in, "" while it runs or waits: Slurm shows COMPLETING until its
+        steps are gone, but the reason or exit code tells already (a signal alone: scancel)."""
         if self.state != "COMPLETING":
             return self.state if self.ended else ""
         if self.reason in ENDING_REASONS:
@@ -70,9 +69,8 @@ class JobState:
 
 
 def query(job_id: str, timeout: float = BatchConfig.batch_command_timeout) -> JobState | None:
-    """`scontrol show job -o ID` (ended jobs stay listed for Slurm's MinJobAge; unlike squeue it
-    also gives the exit code, which tells a cancelled COMPLETING job). State "" once Slurm no
-    longer knows the job; None when Slurm could not be asked (slurmctld busy or away)."""
+    """`scontrol show job -o ID` (unlike squeue it gives the exit code, which tells a cancelled
+    COMPLETING job); state "" once Slurm forgot the job, None when Slurm could not be asked."""
     try:
         out = subprocess.run(["scontrol", "show", "job", "-o", job_id],
                              capture_output=True, text=True, timeout=timeout)
@@ -97,11 +95,8 @@ def job_launcher(engine_sets: Any) -> Any:
 
 
 def prepare_submission(config: Any, profile_dir: str) -> None:
-    """Write the job script into the cluster's profile, not the notebook's working directory
-    (ipyparallel joins its name onto '.'), and submit it with --no-requeue: after a node failure
-    Slurm would otherwise requeue the job (PENDING again) and start engines nobody waits for; with
-    it the job ends as NODE_FAIL and its ranks are reported dead. A submit_command of the user's
-    own is kept as given."""
+    """The job script in the cluster's profile, not the notebook's directory; --no-requeue, so a
+    node failure ends the job (NODE_FAIL, ranks dead) instead of starting engines nobody awaits."""
     slurm = config.SlurmEngineSetLauncher
     if "batch_file_name" not in slurm:
         slurm.batch_file_name = os.path.join(profile_dir, "slurm_engine.sbatch")
@@ -110,8 +105,8 @@ def prepare_submission(config: Any, profile_dir: str) -> None:
 
 
 def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> ClusterStartError:
-    """sbatch refused the job: Slurm's own message in one line (sbatch wrote it to the kernel's
-    stderr, so it is asked again with --test-only, which submits nothing)."""
+    """sbatch refused the job: Slurm's own message in one line (asked again with --test-only,
+    which submits nothing: the first went to the kernel's stderr)."""
     from ipyparallel.cluster.launcher import SlurmLauncher
 
     message = ""
@@ -127,54 +122,55 @@ def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> Cluste
 class SlurmJob:
     """The engines' job: its state (throttled scontrol), start-up progress, end and log."""
 
-    def __init__(self, launcher: Any, config: BatchConfig,
-                 query_job: Callable[[str, float], JobState | None] = query) -> None:
+    def __init__(self, launcher: Any, config: BatchConfig) -> None:
         self.launcher = launcher
         self.config = config
         self.job_id = str(launcher.job_id)
-        self._query = query_job
         self._last: JobState | None = None
         self._asked = 0.0
         self._said = ""
+        self._submitted = time.monotonic()
 
     def state(self, fresh: bool = False) -> JobState:
         # scontrol asks slurmctld: a busy poll loop reuses the last answer for a while
         if (fresh or self._last is None
                 or time.monotonic() - self._asked >= self.config.batch_query_interval):
             self._asked = time.monotonic()
-            answer = self._query(self.job_id, self.config.batch_command_timeout)
+            answer = query(self.job_id, self.config.batch_command_timeout)
             # Slurm not answering says nothing about the job: keep the last answer
             self._last = answer or self._last or JobState("", "", "")
         return self._last
 
     def while_starting(self, say: Callable[[str], None]) -> bool:
         """One turn of waiting for the engines: report a change of state; True while queued (the
-        engines' start-up deadline does not run then). Raises once the job cannot start."""
+        engines' start-up deadline does not run then). Raises once the job cannot start, or has
+        been queued past NbdistConfig.batch_queue_timeout (0: no limit)."""
         job = self.state()
-        line = f"Slurm job {self.job_id}: {job.state or 'gone'}" + (
-            f" ({job.reason})" if job.reason and job.reason != "None" else "")
+        line = f"Slurm job {self.job_id}: {job.state or 'gone'}{job.why}"
         if line != self._said:
             self._said = line
             say(line)
         if job.state == "PENDING" and job.reason in HOPELESS_REASONS:
+            hint = ("The partition has fewer CPUs/nodes or a shorter time limit than asked "
+                    "(sinfo)." if job.reason.startswith("Partition")
+                    else f"See scontrol show job {self.job_id}")
             raise ClusterStartError(f"Slurm job {self.job_id} cannot start: PENDING "
-                                    f"({job.reason}); it was cancelled. {self._hint(job)}")
+                                    f"({job.reason}); it was cancelled. {hint}")
         if job.ended:
             raise ClusterStartError(f"{self.end_detail(job)} before the engines registered.\n"
                                     + self.log_tail())
+        limit = self.config.batch_queue_timeout
+        if job.state in QUEUED and limit and time.monotonic() - self._submitted > limit:
+            raise ClusterStartError(
+                f"Slurm job {self.job_id} still {job.state}{job.why} after {limit:.0f} s "
+                "(NbdistConfig.batch_queue_timeout); it was cancelled")
         return job.state in QUEUED
 
     def summary(self) -> str:
         """One line for %dist_status: the job, its state (and reason), time limit and log."""
         job = self.state()
-        reason = f" ({job.reason})" if job.reason and job.reason != "None" else ""
-        return (f"Slurm job {self.job_id}: {job.ending_as or job.state or 'gone'}{reason}, "
+        return (f"Slurm job {self.job_id}: {job.ending_as or job.state or 'gone'}{job.why}, "
                 f"time limit {job.time_limit or '?'}, log {self.launcher.output_file}")
-
-    def _hint(self, job: JobState) -> str:
-        if job.reason.startswith("Partition"):
-            return "The partition has fewer CPUs/nodes or a shorter time limit than asked (sinfo)."
-        return "See scontrol show job " + self.job_id
 
     def end_detail(self, job: JobState | None = None) -> str:
         """The job's end in words, with its time limit when that is what ended it."""
@@ -190,13 +186,11 @@ class SlurmJob:
                     "there are gone")
         if not state:
             return f"Slurm job {self.job_id} is no longer known to Slurm"
-        return f"Slurm job {self.job_id} ended: {state}" + (
-            f" ({job.reason})" if job.reason and job.reason != "None" else "")
+        return f"Slurm job {self.job_id} ended: {state}{job.why}"
 
     def ended_detail(self, fresh: bool = False) -> str | None:
-        """end_detail if the job has ended or is ending, else None. A COMPLETING job whose reason
-        and exit code do not tell why yet (the moment before scancel's signal lands, or a job
-        that simply completed) gets up to batch_end_settle s to say."""
+        """end_detail if the job has ended or is ending, else None; a COMPLETING job that does
+        not tell why yet gets up to batch_end_settle s to say."""
         job = self.state(fresh)
         deadline = time.monotonic() + self.config.batch_end_settle
         while job.state == "COMPLETING" and not job.ending_as:
@@ -234,12 +228,3 @@ class SlurmJob:
                 return False
             time.sleep(0.1)
         return True
-
-
-def check_queue_wait(job: SlurmJob, since: float, limit: float) -> None:
-    """A job still queued `limit` s after `since` (NbdistConfig.batch_queue_timeout, 0: no limit)
-    ends the start (which then cancels the job)."""
-    if limit and time.monotonic() - since > limit:
-        raise ClusterStartError(
-            f"Slurm job {job.job_id} still {job.state().state} ({job.state().reason}) after "
-            f"{limit:.0f} s (NbdistConfig.batch_queue_timeout); it was cancelled")

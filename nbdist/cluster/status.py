@@ -1,11 +1,10 @@
-"""A snapshot of the cluster for `%dist_status` and the start/restart summary (text and HTML).
-
-Built from a `ClusterCore` once; it never talks to the ranks itself."""
+"""A snapshot of the cluster for `%dist_status` and the start/restart summary (text and HTML),
+built from a `ClusterCore` once; it never talks to the ranks itself."""
 
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import TYPE_CHECKING
 
 from nbdist.text import render_table
@@ -18,6 +17,8 @@ COLUMNS = ("rank", "local", "host", "pid", "device", "backend", "threads", "stat
 
 @dataclass(frozen=True)
 class RankRow:
+    """One rank, its fields in COLUMNS order."""
+
     rank: int
     local_rank: int
     host: str
@@ -43,30 +44,25 @@ class ClusterStatus:
     @classmethod
     def of(cls, cluster: ClusterCore, batch_job: str = "") -> ClusterStatus:
         rows = tuple(
-            RankRow(
-                rank=p.spec.rank, local_rank=p.spec.local_rank, host=p.spec.host, pid=p.pid,
-                device=p.device, backend=p.spec.backend, threads=p.threads,
-                state=p.state if p.state == "alive" else f"dead ({p.exit_detail})",
-            )
-            for p in cluster.ranks
-        )
-        controller = "lost" if cluster.controller_lost else ("running" if cluster.running else "stopped")
+            RankRow(p.spec.rank, p.spec.local_rank, p.spec.host, p.pid, p.device, p.spec.backend,
+                    p.threads, p.state if p.state == "alive" else f"dead ({p.exit_detail})")
+            for p in cluster.ranks)
+        controller = ("lost" if cluster.controller_lost
+                      else "running" if cluster.running else "stopped")
         return cls(cluster.running, cluster.world_size, cluster.backend, cluster.generation,
                    controller, rows, cluster.start_seconds, batch_job)
 
     def summary_line(self) -> str:
         if not self.running:
             return "nbdist: no cluster running"
-        dead = [r.rank for r in self.rows if not r.state.startswith("alive")]
+        dead = [r.rank for r in self.rows if r.state != "alive"]
         health = f"{len(dead)} dead: ranks {dead}" if dead else "all alive"
         lost = ", controller lost" if self.controller == "lost" else ""
         return (f"nbdist: {self.world_size} rank(s), {self.backend}, process group generation "
                 f"{self.generation}, {health}{lost}")
 
     def table(self) -> str:
-        body = [(r.rank, r.local_rank, r.host, r.pid, r.device, r.backend, r.threads, r.state)
-                for r in self.rows]
-        return render_table(COLUMNS, body)
+        return render_table(COLUMNS, [astuple(r) for r in self.rows])
 
     def __str__(self) -> str:
         job = f"\n{self.batch_job}" if self.batch_job else ""
@@ -77,12 +73,8 @@ class ClusterStatus:
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in COLUMNS)
-        rows = "".join(
-            "<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in
-                             (r.rank, r.local_rank, r.host, r.pid, r.device, r.backend, r.threads, r.state))
-            + "</tr>"
-            for r in self.rows
-        )
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in astuple(r))
+                       + "</tr>" for r in self.rows)
         job = f"<p>{html.escape(self.batch_job)}</p>" if self.batch_job else ""
         return (f"<div><p>{html.escape(self.summary_line())}</p>{job}"
                 f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>")

@@ -1,11 +1,7 @@
 """Notebook-side fan-out of rank telemetry to whoever listens (dashboards, tests, benchmarks).
 
-The runner calls :meth:`TelemetryHub.publish` on the notebook's main thread for every ``nbdist``
-payload a rank sends (see ``nbdist.worker.agent``), and :meth:`TelemetryHub.rank_state` when the
-cluster learns a rank died or came back. ``last_payload`` holds each rank's last full payload
-with later ``"log"`` payloads (metrics only) merged in, so fault reports keep ``"where"``. A
-listener that raises is reported once and dropped from that call only: the dashboard path never
-breaks a cell.
+A listener that raises is reported once and skipped for that call: the dashboard never breaks a
+cell. `last_payload` keeps each rank's last full payload, so fault reports keep its "where".
 """
 
 from __future__ import annotations
@@ -36,14 +32,15 @@ class TelemetryHub:
             self._listeners.remove(listener)
 
     def publish(self, rank: int, payload: dict[str, Any]) -> None:
+        """A rank's payload (nbdist.worker.agent), on the notebook's main thread."""
         previous = self.last_payload.get(rank)
         reason = payload.get("reason")
         if reason == "log" and previous is not None:
-            # a log() payload carries metrics only: keep the last tick's memory and "where",
-            # and its time, which says how fresh that "where" is (nbdist.cells.policy relies on it)
+            # metrics only: keep the last memory and "where", and the time that says how fresh
+            # that "where" is (nbdist.cells.policy relies on it)
             self.last_payload[rank] = {**previous, **payload, "t": previous.get("t")}
         elif reason in ("collective", "asked") and previous is not None:
-            # "where" only, taken now (its time is the new one): keep the last memory and metrics
+            # "where" only, taken now: keep the last memory and metrics
             self.last_payload[rank] = {**previous, **payload}
         else:
             self.last_payload[rank] = payload
@@ -63,4 +60,5 @@ class TelemetryHub:
             key = (id(listener), method)
             if key not in self._reported:
                 self._reported.add(key)
-                print(f"nbdist: dashboard listener failed ({exc!r}); the cell goes on", file=sys.stderr)
+                print(f"nbdist: dashboard listener failed ({exc!r}); the cell goes on",
+                      file=sys.stderr)
