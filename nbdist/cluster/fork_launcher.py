@@ -33,7 +33,7 @@ from nbdist.text import tail
 SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"
 """The `engine_launcher_class` a local cluster with a fork server gives ipyparallel."""
 
-POLL_SECONDS = 0.2
+POLL_SECONDS = 0.5
 """How often an engine's wait thread looks whether the cluster stopped waiting for it."""
 
 
