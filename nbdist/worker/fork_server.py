@@ -1,13 +1,13 @@
 """The fork server: one process that imports torch, ipyparallel's engine and nbdist's worker once,
-then forks ready engines on request, so a start or restart pays for those imports once, not per rank.
+then forks ready engines on request: a start or restart pays for those imports once, not per rank.
 
 Run as ``python -m nbdist.worker.fork_server SOCKET``; `nbdist.cluster.fork_launcher` starts it and
-asks it, over that Unix socket (in the cluster's private directory), for engines. One JSON line a
-request, one a reply:
+asks it, over that Unix socket (in the cluster's private directory), for engines: one connection
+per engine, one JSON line each way, then a last line when that engine exits.
 
-- ``{"op": "fork", "args": [...], "env": {...}, "cwd": "...", "log": "..."}`` -> ``{"pid": N}``
-- ``{"op": "wait", "pid": N}`` -> ``{"pid": N, "exit_code": CODE}`` once that engine exited
-  (``-SIGNAL`` when killed, as `subprocess` says it)
+- ``{"args": [...], "env": {...}, "cwd": "...", "log": "..."}`` -> ``{"pid": N}``
+- then ``{"pid": N, "exit_code": CODE}`` once it exited (``-SIGNAL`` when killed, as `subprocess`
+  says it), or ``{"error": "..."}`` instead of the pid
 
 Fork safety: the server runs no thread of its own and never touches a device, so no CUDA context,
 no thread pool and no lock held by another thread is copied into an engine; each engine picks its
@@ -23,13 +23,12 @@ import selectors
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 from typing import Any
 
 ENGINE_MODULE = "nbdist.worker.engine"
-"""The module a forked engine runs as ``__main__`` (what ``python -m nbdist.worker.engine`` runs)."""
+"""The module a forked engine runs as ``__main__``, as ``python -m nbdist.worker.engine`` does."""
 
 _PRELOAD = (
     "torch", "torch.distributed", "numpy", "psutil", "zmq", "tornado.ioloop",
@@ -37,6 +36,9 @@ _PRELOAD = (
     "ipyparallel.engine.kernel", "ipyparallel.serialize", "nbdist.worker.release",
     "nbdist.worker.bootstrap",
 )
+
+REQUEST_TIMEOUT = 5.0
+"""Seconds the server waits for a launcher's request once it connected (it sends it at once)."""
 
 
 def preload() -> dict[str, str]:
@@ -54,111 +56,76 @@ def preload() -> dict[str, str]:
 
 
 class ForkServer:
-    """The server's loop: accept requests, fork engines, reap them and answer who waits for one."""
+    """The server's loop: fork an engine per connection, reap engines and tell each launcher."""
 
     def __init__(self, listener: socket.socket) -> None:
         self.listener = listener
-        self.selector = selectors.DefaultSelector()
-        self.buffers: dict[socket.socket, bytes] = {}
-        self.exited: dict[int, int] = {}
-        self.children: set[int] = set()
-        self.waiters: dict[int, list[socket.socket]] = {}
+        self.waiting: dict[int, socket.socket] = {}  # engine pid -> its launcher's connection
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
-        os.set_blocking(self.wake_r, False)
 
     def serve(self) -> None:
         # SIGCHLD only writes a byte to the wake-up pipe: the loop reaps, no handler runs code
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.set_wakeup_fd(self.wake_w, warn_on_full_buffer=False)
-        self.selector.register(self.listener, selectors.EVENT_READ)
-        self.selector.register(self.wake_r, selectors.EVENT_READ)
-        while True:
-            for key, _ in self.selector.select():
-                if key.fileobj is self.listener:
-                    conn, _addr = self.listener.accept()
-                    self.buffers[conn] = b""
-                    self.selector.register(conn, selectors.EVENT_READ)
-                elif key.fileobj == self.wake_r:
-                    self._drain_wake_pipe()
-                    self._reap()
-                else:
-                    self._read(key.fileobj)  # type: ignore[arg-type]
-
-    def _drain_wake_pipe(self) -> None:
-        try:
-            while os.read(self.wake_r, 512):
-                pass
-        except BlockingIOError:
-            pass
+        with selectors.DefaultSelector() as selector:
+            selector.register(self.listener, selectors.EVENT_READ)
+            selector.register(self.wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is self.listener:
+                        self._serve_one(selector)
+                    else:
+                        os.read(self.wake_r, 4096)
+                        self._reap()
 
     def _reap(self) -> None:
-        while self.children:
+        while True:
             try:
                 pid, status = os.waitpid(-1, os.WNOHANG)
             except ChildProcessError:
                 return
             if pid == 0:
                 return
-            self.children.discard(pid)
-            self.exited[pid] = os.waitstatus_to_exitcode(status)
-            for conn in self.waiters.pop(pid, []):
-                self._reply(conn, {"pid": pid, "exit_code": self.exited[pid]})
+            conn = self.waiting.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"pid": pid, "exit_code": os.waitstatus_to_exitcode(status)})
+                conn.close()
 
-    def _read(self, conn: socket.socket) -> None:
+    def _serve_one(self, selector: selectors.BaseSelector) -> None:
+        conn, _addr = self.listener.accept()
         try:
-            data = conn.recv(65536)
-        except OSError:
-            data = b""
-        if not data:
-            self._close(conn)
+            conn.settimeout(REQUEST_TIMEOUT)
+            with conn.makefile("rb") as lines:
+                request = json.loads(lines.readline())
+            args = list(request["args"])
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            _send(conn, {"error": f"bad request: {type(exc).__name__}: {exc}"})
+            conn.close()
             return
-        self.buffers[conn] += data
-        while b"\n" in self.buffers.get(conn, b""):
-            line, self.buffers[conn] = self.buffers[conn].split(b"\n", 1)
-            self._handle(conn, json.loads(line))
-
-    def _handle(self, conn: socket.socket, request: dict[str, Any]) -> None:
-        op = request.get("op")
-        if op == "fork":
-            self._reply(conn, self._fork(request))
-        elif op == "wait":
-            pid = int(request["pid"])
-            if pid in self.exited:
-                self._reply(conn, {"pid": pid, "exit_code": self.exited[pid]})
-            elif pid in self.children:
-                self.waiters.setdefault(pid, []).append(conn)
-            else:
-                self._reply(conn, {"pid": pid, "error": "not an engine of this fork server"})
-        elif op == "ping":  # also what a test checks: nothing fork-unsafe was started here
-            torch = sys.modules.get("torch")
-            cuda = bool(torch is not None and torch.cuda.is_initialized())
-            self._reply(conn, {"pid": os.getpid(), "engines": sorted(self.children),
-                               "python_threads": threading.active_count(), "cuda_initialized": cuda})
-        else:
-            self._reply(conn, {"error": f"unknown request {op!r}"})
-
-    def _fork(self, request: dict[str, Any]) -> dict[str, Any]:
-        args = list(request["args"])
         if args[1:3] != ["-m", ENGINE_MODULE]:
-            return {"error": f"the fork server only starts {ENGINE_MODULE} engines, not {args[:3]}"}
+            _send(conn, {"error": f"the fork server only starts {ENGINE_MODULE} engines, "
+                                  f"not {args[:3]}"})
+            conn.close()
+            return
         pid = os.fork()
         if pid == 0:
-            self._become_engine(request)  # never returns
-        self.children.add(pid)
-        return {"pid": pid}
+            self._become_engine(request, conn, selector)  # never returns
+        self.waiting[pid] = conn
+        _send(conn, {"pid": pid})
 
-    def _become_engine(self, request: dict[str, Any]) -> None:
+    def _become_engine(self, request: dict[str, Any], conn: socket.socket,
+                       selector: selectors.BaseSelector) -> None:
         code = 1
         try:
             signal.set_wakeup_fd(-1)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            self.selector.close()
-            for fd in (self.wake_r, self.wake_w):
-                os.close(fd)
-            for conn in list(self.buffers):
-                conn.close()
-            self.listener.close()
+            selector.close()
+            # a launcher must see its connection close when the server dies, engines or not
+            for sock in (conn, self.listener, *self.waiting.values()):
+                sock.close()
+            os.close(self.wake_r)
+            os.close(self.wake_w)
             _engine_process_setup(request)
             import runpy
 
@@ -176,20 +143,12 @@ class ForkServer:
                     pass
             os._exit(code)
 
-    def _reply(self, conn: socket.socket, reply: dict[str, Any]) -> None:
-        try:
-            conn.sendall(json.dumps(reply).encode() + b"\n")
-        except OSError:
-            self._close(conn)
 
-    def _close(self, conn: socket.socket) -> None:
-        if conn in self.buffers:
-            del self.buffers[conn]
-            self.selector.unregister(conn)
-        for waiting in self.waiters.values():
-            if conn in waiting:
-                waiting.remove(conn)
-        conn.close()
+def _send(conn: socket.socket, reply: dict[str, Any]) -> None:
+    try:
+        conn.sendall(json.dumps(reply).encode() + b"\n")
+    except OSError:  # the launcher is gone: nobody to tell
+        pass
 
 
 def _engine_process_setup(request: dict[str, Any]) -> None:
