@@ -1,6 +1,8 @@
 """Every use nbdist makes of ipyparallel's, ipykernel's or IPython's private attributes.
 
-Each function names what it relies on and what happens when a release drops it.
+Each function names what it relies on and what happens when a release drops it. One use lives
+elsewhere because it is a subclass: `cluster/fork_launcher.ForkEngineLauncher` overrides
+`LocalProcessLauncher._wait` (started by `_start_waiting`, stopped by `_stop_waiting`).
 tests/test_ipp_compat.py checks each one against the installed versions, and pyproject.toml caps
 those packages at the versions checked.
 """

@@ -148,3 +148,32 @@ def _thread_name() -> str:
     import threading
 
     return threading.current_thread().name
+
+
+def test_a_launcher_subclass_owns_its_wait_thread() -> None:
+    """What `ForkEngineLauncher` overrides: `_wait` runs on the thread `_start_waiting` starts
+    (named ``wait(pid=N)``) and returns once `_stop_waiting` is set."""
+    import sys
+    import threading
+
+    from ipyparallel.cluster.launcher import LocalProcessLauncher
+
+    seen: list[str] = []
+
+    class Probe(LocalProcessLauncher):
+        def _wait(self) -> None:
+            seen.append(threading.current_thread().name)
+            self._stop_waiting.wait(30)
+
+    launcher = Probe(cmd_and_args=[sys.executable, "-c", "import time; time.sleep(60)"])
+    launcher.start()
+    try:
+        _until(lambda: bool(seen), "call of the overridden _wait")
+        assert seen == [f"wait(pid={launcher.pid})"]
+    finally:
+        launcher._stop_waiting.set()
+        launcher._wait_thread.join(10)
+        os.kill(launcher.pid, signal.SIGKILL)
+        launcher.process.wait(10)
+    assert not launcher._wait_thread.is_alive()
+
