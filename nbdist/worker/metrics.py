@@ -178,7 +178,7 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
 def install_metrics(agent: TelemetryAgent) -> None:
     """Enable :func:`log` in this process and register the ``"metrics"`` provider."""
     _BUFFER.records.clear()
-    _BUFFER.dropped = 0
+    _BUFFER.dropped, _BUFFER.last_step = 0, -1.0
     agent.register("metrics", drain)
     _BUFFER.wake = agent.wake
     _BUFFER.enabled = True

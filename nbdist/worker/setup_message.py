@@ -22,6 +22,10 @@ class RankSpec:
     backend: str
     gpus: tuple[int, ...] = field(default_factory=tuple)
 
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.gpus[0]}" if self.gpus else "cpu"
+
     def env(self, master_addr: str, master_port: int) -> dict[str, str]:
         """The torchrun-compatible environment of this rank."""
         return {
