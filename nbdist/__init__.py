@@ -20,7 +20,7 @@ _LAZY: dict[str, str] = {
     "NbdistError": "nbdist.errors",
     "NbdistConfig": "nbdist.config",
     "log": "nbdist.worker.metrics",
-    "memory_budget": "nbdist.worker.memory_limit",
+    "memory_budget": "nbdist.worker.rank_memory",
     "profile": "nbdist.worker.profiling",
     "prepare": "nbdist.strategies",
     "save_checkpoint": "nbdist.strategies.checkpoint",

@@ -53,7 +53,7 @@ class Cluster(ClusterCore):
                  tensorboard: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         """`memory_limit`: what each rank may allocate after start-up (bytes, "512MiB", "1GiB",
         "2GB"); past it the rank's allocation fails and the report names the rank and the limit
-        (nbdist.worker.memory_limit). `tensorboard`: a log directory; every rank's `nbdist.log`
+        (nbdist.worker.rank_memory). `tensorboard`: a log directory; every rank's `nbdist.log`
         values are also written there as TensorBoard scalars (`loss/rank0`, ...) in one new run
         directory, `self.tensorboard.run_dir`. The rest: see `ClusterCore`."""
         config = kwargs.get("config") or DEFAULT

@@ -21,7 +21,7 @@ from nbdist.dashboard.series import Series, minmax_indices
 from nbdist.dashboard.svg import format_bytes, nice_ticks, render_svg
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
-from nbdist.worker.memory_sampler import MemorySampler, install_memory_sampler
+from nbdist.worker.rank_memory import MemorySampler, install_memory_sampler
 
 
 class FakeClock:

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from nbdist import Cluster, torch_support
-from nbdist.worker import collective_checks
+from nbdist.worker import process_group
 from tests.sinks import RecordingSink
 
 HAS_RECORDER = torch_support.has("flight-recorder")
@@ -177,7 +177,7 @@ def test_check_collectives_keeps_every_rank_alive_and_names_the_sizes(cluster_fa
                                                                        fast_config):
     cluster = cluster_factory(2, config=fast_config.replace(check_collectives=True))
     said = any("DistributedDataParallel crashes" in note for note in cluster.ranks[0].notes)
-    assert said == (not collective_checks.ddp_survives()), cluster.ranks[0].notes
+    assert said == (not process_group.ddp_survives()), cluster.ranks[0].notes
     cluster.run("kept = rank").raise_for_errors()
     pids = [p.pid for p in cluster.ranks]
     code = "t = torch.ones(10 if rank == 0 else 20)\ndist.all_reduce(t)\n"

@@ -56,7 +56,7 @@ def test_sampler_matches_torch_cuda_and_nvml(gpu_cluster: Cluster):
     # the full sample (driver, NVML) is the telemetry thread's: taken on a thread here too
     code = (
         "import threading\n"
-        "from nbdist.worker.memory_sampler import MemorySampler\n"
+        "from nbdist.worker.rank_memory import MemorySampler\n"
         "s = MemorySampler(device)\n"
         "torch.cuda.reset_peak_memory_stats(device)  # the user's reset: nbdist never does\n"
         "s.sample(cell=1)\n"

@@ -31,11 +31,14 @@ from nbdist.strategies import deepspeed as deepspeed_strategy
 from nbdist.strategies._common import RANK_DEVICE_VAR, StrategyOptionError, rank_device
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
-from nbdist.worker.devices import launcher_local_id
-from nbdist.worker.flight_recorder import dump_environment
-from nbdist.worker.memory_sampler import nvml_uuids, physical_index
-from nbdist.worker.nccl_env import NCCL_ENVIRONMENT, nccl_environment
-from nbdist.worker.process_group import torch_backend
+from nbdist.worker.bootstrap import launcher_local_id
+from nbdist.worker.process_group import (
+    NCCL_ENVIRONMENT,
+    dump_environment,
+    nccl_environment,
+    torch_backend,
+)
+from nbdist.worker.rank_memory import nvml_uuids, physical_index
 from nbdist.worker.release import uses_nccl
 from nbdist.worker.values import move_tensors
 
@@ -113,7 +116,7 @@ def test_the_dump_on_timeout_goes_to_a_directory_only_the_rank_reads(tmp_path) -
 def test_a_remote_ranks_dump_directory_is_its_own_and_goes_with_its_engine() -> None:
     # a rank on another machine has no cluster directory there: a private temporary one, removed
     # when its process exits
-    code = ("import os\nfrom nbdist.worker.flight_recorder import dump_environment\n"
+    code = ("import os\nfrom nbdist.worker.process_group import dump_environment\n"
             "prefix = dump_environment({}, 0, None)['TORCH_FR_DUMP_TEMP_FILE']\n"
             "print(os.path.dirname(prefix), oct(os.stat(os.path.dirname(prefix)).st_mode & 0o777))")
     ran = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nbdist import Cluster
-from nbdist.worker.nccl_env import NCCL_ENVIRONMENT
+from nbdist.worker.process_group import NCCL_ENVIRONMENT
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -111,7 +111,7 @@ def _uuids_seen(visible: str | None) -> list[str]:
     env = dict(os.environ)
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-    code = ("import torch\nfrom nbdist.worker.devices import gpu_uuids\n"
+    code = ("import torch\nfrom nbdist.worker.bootstrap import gpu_uuids\n"
             "print(','.join(gpu_uuids(torch.cuda.device_count())))")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True)
@@ -233,7 +233,7 @@ def test_10_pulled_and_consolidated_values_arrive_on_the_cpu(nccl_cluster: Clust
 def test_10_nvml_handle_is_this_ranks_own_device(nccl_cluster: Cluster):
     pytest.importorskip("pynvml")
     code = (
-        "from nbdist.worker.memory_sampler import _open_nvml\n"
+        "from nbdist.worker.rank_memory import _open_nvml\n"
         "nvml, handle = _open_nvml(device)\n"
         "uuid = nvml.nvmlDeviceGetUUID(handle)\n"
         "uuid = uuid.decode() if isinstance(uuid, bytes) else uuid\n"

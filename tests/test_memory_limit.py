@@ -22,7 +22,7 @@ LIMIT = 256 * 2**20
 ALL_REDUCE = "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()"
 READ_BACK = (
     "import resource\n"
-    "from nbdist.worker.memory_limit import STATE\n"
+    "from nbdist.worker.rank_memory import STATE\n"
     "(resource.getrlimit(resource.RLIMIT_DATA)[0], STATE['baseline'], STATE['limit'])"
 )
 # a real allocation failure that kills the process: operator new throws std::bad_alloc through
@@ -135,7 +135,7 @@ def test_a_model_that_fits_trains_normally(limited):
         "    p.backward(p.model(torch.randn(16, 1024)).pow(2).mean())\n"
         "    p.optimizer.step()\n"
         "    p.optimizer.zero_grad()\n"
-        "from nbdist.worker.memory_limit import memory_budget\n"
+        "from nbdist.worker.rank_memory import memory_budget\n"
         "memory_budget()['in_use'] < memory_budget()['limit']\n"
     )
     result = limited.run(code, timeout=120).raise_for_errors()
@@ -189,7 +189,7 @@ def test_the_magic_limits_ranks_reports_oom_and_restarts(ip, capsys):
 def test_on_gpu_the_limit_caps_cuda_memory(fast_config, assert_all_gone):
     cluster = Cluster(n=1, config=fast_config, memory_limit="1GiB").start()
     try:
-        read = "from nbdist.worker.memory_limit import STATE\nSTATE['mechanism'], STATE['limit']"
+        read = "from nbdist.worker.rank_memory import STATE\nSTATE['mechanism'], STATE['limit']"
         values = cluster.run(read).raise_for_errors().results
         assert eval(values[0]["data"]["text/plain"]) == ("cuda memory fraction", 2**30)
         result = cluster.run("big = torch.empty(2 * 2**30, dtype=torch.uint8, device=device)")

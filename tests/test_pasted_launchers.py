@@ -14,7 +14,7 @@ import pytest
 from nbclient import NotebookClient
 
 from nbdist import Cluster
-from nbdist.worker.launcher_calls import launcher_in
+from nbdist.worker.pasted_code import launcher_in
 
 # PyTorch's "Getting Started with Distributed Data Parallel" tutorial, as pasted (CPU: gloo, no
 # `.to(rank)`); the bottom line counts devices, here the 2 the tutorial would use

@@ -152,9 +152,9 @@ def test_straggler_and_wait_on_real_ranks(cluster2, tmp_path: Path) -> None:
 def _no_profiler_running(cluster) -> None:
     cluster.run(
         "import torch, torch.distributed as dist\n"
-        "from nbdist.worker import profiling\n"
+        "from nbdist.worker import collectives, profiling\n"
         "_profiling_state = (profiling.is_active(), torch.autograd.profiler._is_profiler_enabled,"
-        " hasattr(dist.all_reduce, '__nbdist_profiled__'))").raise_for_errors()
+        " collectives.TRACKER.profiling)").raise_for_errors()
     assert cluster.pull("_profiling_state") == {0: (False, False, False), 1: (False, False, False)}
 
 

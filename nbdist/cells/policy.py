@@ -138,7 +138,7 @@ class FaultPolicy:
 
     def _recoverable_in_process(self) -> bool:
         """gloo and NCCL groups are aborted and re-formed inside the engines (NCCL's watchdog
-        returns errors instead of ending them: nbdist.worker.nccl_env)."""
+        returns errors instead of ending them: nbdist.worker.process_group)."""
         return self.cluster.backend in ("gloo", "nccl")
 
     # ---------------------------------------------------------------- after the cell

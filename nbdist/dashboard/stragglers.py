@@ -1,6 +1,6 @@
 """Who the others wait for: per-rank step times and, per collective, the rank that arrived last.
 
-Fed with each rank's ``"timing"`` payload (``nbdist.worker.step_timing``). A collective is
+Fed with each rank's ``"timing"`` payload (``nbdist.worker.metrics``). A collective is
 matched across ranks by (group, torch's per-group sequence number); once every member has
 reported it, the rank that waited least inside it arrived last, and the longest wait minus the
 shortest is how late it was. Only waits are compared, never clocks of different hosts.

@@ -1,5 +1,5 @@
 """`%dist_run script.py [args]`: the cell that runs an existing torchrun script on every rank,
-unchanged (the rank side is `nbdist.worker.dist_run`)."""
+unchanged (the rank side is `nbdist.worker.pasted_code`)."""
 
 from __future__ import annotations
 
@@ -19,6 +19,6 @@ def script_cell(path: str, argv: Sequence[str] = (), must_exist: bool = True) ->
         )
     arguments = [str(a) for a in argv]
     return (
-        "__import__('nbdist.worker.dist_run', fromlist=['run_rank_script'])"
+        "__import__('nbdist.worker.pasted_code', fromlist=['run_rank_script'])"
         f".run_rank_script({path!r}, {arguments!r}, globals())"
     )

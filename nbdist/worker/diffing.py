@@ -1,14 +1,12 @@
-"""Rank side of `%dist_diff`: flatten an object to {name: entry} and fingerprint each entry, so
-the notebook compares ranks without shipping whole models; only differing entries are fetched.
-
-A fingerprint is small and picklable: shape, dtype, a hash of the bytes and a few summary numbers
-for a tensor; the type, a hash and a short repr for any other value.
-"""
+"""Rank side of `%dist_diff`: flatten an object to {name: entry} and fingerprint each entry (a
+tensor's shape, dtype, a hash of its bytes and a few summary numbers; any other value's type,
+hash and short repr), so the notebook compares ranks and fetches only the entries that differ."""
 
 from __future__ import annotations
 
 import hashlib
 import pickle
+from dataclasses import dataclass
 from typing import Any
 
 MAX_ENTRIES = 100_000
@@ -19,15 +17,12 @@ _FLAT: dict[str, Any] = {}
 
 
 def fingerprint_expression(expr: str, full: bool = False) -> dict[str, Any]:
-    """Evaluate `expr` in the rank's namespace and fingerprint it (`fingerprint`). An error in the
-    expression comes back as {"error": ...}: raised here, the engine would record it as the
-    rank's last traceback and `%dist_debug` would debug it instead of the failed cell."""
+    """Evaluate `expr` in the rank's namespace and fingerprint it. An error comes back as
+    {"error": ...}: raised here, `%dist_debug` would debug it instead of the failed cell."""
     from IPython import get_ipython
 
-    shell = get_ipython()
-    namespace = shell.user_ns if shell is not None else {}
     try:
-        value = eval(expr, namespace)  # noqa: S307 - the user's own expression, on the user's rank
+        value = eval(expr, get_ipython().user_ns)  # noqa: S307 - the user's own expression
         return fingerprint(value, full=full)
     except Exception as exc:
         return {"error": f"{type(exc).__name__}: {exc}"}
@@ -37,20 +32,22 @@ def fingerprint(obj: Any, full: bool = False) -> dict[str, Any]:
     """{"type", "entries": {name: fingerprint}, "notes"}; the entries stay here for `fetch`.
     `full`: sharded DTensors are gathered (a collective: every rank must be fingerprinting)."""
     notes: set[str] = set()
-    flat = flatten(obj, full=full, notes=notes)
     _FLAT.clear()
-    _FLAT.update(flat)
+    _walk(obj, "", _FLAT, full, notes)
     return {"type": describe_type(obj),
-            "entries": {name: entry_fingerprint(value) for name, value in flat.items()},
+            "entries": {name: entry_fingerprint(value) for name, value in _FLAT.items()},
             "notes": sorted(notes)}
 
 
 def fetch(names: list[str]) -> dict[str, Any]:
     """The named entries of the last fingerprinted object; tensors on CPU."""
+    import torch
+
     missing = [name for name in names if name not in _FLAT]
     if missing:
         raise KeyError(f"not in the last %dist_diff on this rank: {', '.join(missing)}")
-    return {name: _to_cpu(_FLAT[name]) for name in names}
+    return {name: _FLAT[name].detach().to("cpu") if isinstance(_FLAT[name], torch.Tensor)
+            else _FLAT[name] for name in names}
 
 
 def local_entry(name: str) -> Any:
@@ -62,18 +59,9 @@ def describe_type(obj: Any) -> str:
     return type(obj).__qualname__
 
 
-def flatten(obj: Any, full: bool = False, notes: set[str] | None = None,
-            prefix: str = "") -> dict[str, Any]:
-    """{dotted name: leaf}: a module's parameters and buffers by name, an optimizer's state_dict,
-    dicts, lists and tuples walked; tensors (DTensors resolved, see `_resolve_dtensor`) and every
-    other value are leaves."""
-    notes = set() if notes is None else notes
-    out: dict[str, Any] = {}
-    _walk(obj, prefix, out, full, notes)
-    return out
-
-
 def _walk(obj: Any, name: str, out: dict[str, Any], full: bool, notes: set[str]) -> None:
+    """A module's parameters and buffers by name, an optimizer's state_dict, dicts, lists and
+    tuples walked; tensors (DTensors resolved) and every other value are leaves."""
     import torch
 
     if len(out) >= MAX_ENTRIES:
@@ -87,7 +75,7 @@ def _walk(obj: Any, name: str, out: dict[str, Any], full: bool, notes: set[str])
         notes.add("optimizer: its state_dict")
     elif isinstance(obj, dict):
         children = obj
-    elif isinstance(obj, (list, tuple)):
+    elif isinstance(obj, list | tuple):
         children = dict(enumerate(obj))
     else:
         out[name] = _resolve_dtensor(obj, full, notes) if isinstance(obj, torch.Tensor) else obj
@@ -98,11 +86,9 @@ def _walk(obj: Any, name: str, out: dict[str, Any], full: bool, notes: set[str])
 
 def _resolve_dtensor(tensor: Any, full: bool, notes: set[str]) -> Any:
     """Replicate placements: the local tensor (what must be equal). Shard / Partial: the local
-    shard's shape only (ranks hold different data by design), or the full tensor when `full`."""
-    try:
-        from torch.distributed.tensor import DTensor, Replicate
-    except ImportError:  # pragma: no cover - torch without distributed
-        return tensor.detach()
+    shard's layout only (ranks hold different data by design), or the full tensor when `full`."""
+    from torch.distributed.tensor import DTensor, Replicate
+
     if not isinstance(tensor, DTensor):
         return tensor.detach()
     if all(isinstance(p, Replicate) for p in tensor.placements):
@@ -117,15 +103,14 @@ def _resolve_dtensor(tensor: Any, full: bool, notes: set[str]) -> Any:
                         tuple(str(p) for p in tensor.placements), tuple(tensor.shape))
 
 
+@dataclass(frozen=True)
 class ShardedEntry:
     """What a rank says about its shard of a sharded DTensor: no data, only layout."""
 
-    def __init__(self, local_shape: tuple[int, ...], dtype: str, placements: tuple[str, ...],
-                 global_shape: tuple[int, ...]) -> None:
-        self.local_shape = local_shape
-        self.dtype = dtype
-        self.placements = placements
-        self.global_shape = global_shape
+    local_shape: tuple[int, ...]
+    dtype: str
+    placements: tuple[str, ...]
+    global_shape: tuple[int, ...]
 
     def __repr__(self) -> str:
         return (f"shard {list(self.local_shape)} of {list(self.global_shape)} {self.dtype} "
@@ -152,7 +137,8 @@ def entry_fingerprint(value: Any) -> dict[str, Any]:
 def _tensor_fingerprint(tensor: Any) -> dict[str, Any]:
     import torch
 
-    base = {"kind": "tensor", "shape": list(tensor.shape), "dtype": str(tensor.dtype).replace("torch.", "")}
+    base = {"kind": "tensor", "shape": list(tensor.shape),
+            "dtype": str(tensor.dtype).replace("torch.", "")}
     if tensor.is_meta or tensor.layout != torch.strided:
         return {**base, "digest": _digest(repr(base).encode()), "stats": {}}
     cpu = tensor.detach().to("cpu").contiguous()
@@ -160,28 +146,14 @@ def _tensor_fingerprint(tensor: Any) -> dict[str, Any]:
         raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes()
     except (RuntimeError, TypeError):  # quantized and other exotic dtypes
         raw = repr(cpu.tolist()).encode()
-    return {**base, "digest": _digest(raw), "stats": _stats(cpu)}
-
-
-def _stats(cpu: Any) -> dict[str, float]:
-    import torch
-
-    if cpu.numel() == 0 or cpu.dtype == torch.bool:
-        return {}
-    values = cpu.to(torch.complex128 if cpu.is_complex() else torch.float64)
-    if values.is_complex():
-        values = values.abs()
-    return {"sum": float(values.sum()), "min": float(values.min()), "max": float(values.max()),
-            "norm": float(values.norm())}
+    stats = {}
+    if cpu.numel() and cpu.dtype != torch.bool:
+        values = cpu.to(torch.complex128 if cpu.is_complex() else torch.float64)
+        values = values.abs() if values.is_complex() else values
+        stats = {"sum": float(values.sum()), "min": float(values.min()),
+                 "max": float(values.max()), "norm": float(values.norm())}
+    return {**base, "digest": _digest(raw), "stats": stats}
 
 
 def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=12).hexdigest()
-
-
-def _to_cpu(value: Any) -> Any:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu")
-    return value

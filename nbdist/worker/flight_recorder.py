@@ -1,28 +1,23 @@
 """What torch's flight recorder says this rank's process groups did: the collectives each group
 entered (Python's or C++'s: DDP's reducer, FSDP2), their sequence ids, sizes, and which one is
-still in flight. It is torch's record, read back; nbdist adds no hook to any collective.
-
-Reading it costs a pickle of the whole ring buffer, so while a cell runs it is read only when the
-groups' progress has not moved since the last look (a rank that waits), never on every sample.
-"""
+still in flight. Reading it pickles the whole ring buffer, so a running cell's telemetry reads it
+only once the groups' progress stops moving (a rank that waits)."""
 
 from __future__ import annotations
 
-import atexit
+import math
 import os
 import pickle
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from nbdist import torch_support
+from nbdist.worker import process_group
 
-BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-"""torch reads the first one set (the second is the older name) when a group first records."""
+IN_FLIGHT_POLL = 0.005
+"""Seconds between two looks at whether the collectives a rank left in flight have finished."""
 
 
 @dataclass(frozen=True)
@@ -47,13 +42,8 @@ class EnteredCollective:
         return f"{self.op} #{self.seq} of the {self.group}"
 
     def nbytes(self) -> int:
-        total = 0
-        for shape, dtype in zip(self.sizes, self.dtypes, strict=False):
-            count = 1
-            for dim in shape:
-                count *= int(dim)
-            total += count * _DTYPE_BYTES.get(dtype, 4)
-        return total
+        return sum(math.prod(shape) * _DTYPE_BYTES.get(dtype, 4)
+                   for shape, dtype in zip(self.sizes, self.dtypes, strict=False))
 
     def shapes(self) -> str:
         return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in self.sizes)
@@ -63,56 +53,21 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
                 "Short": 2, "Char": 1, "Byte": 1, "Bool": 1}
 
 
-def buffer_environment(entries: int,
-                       current: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """The buffer size to set (unless the user set one: theirs wins, with a note)."""
-    for name in BUFFER_VARIABLES:
-        if name in current:
-            note = [] if current[name].strip() == str(entries) else [
-                f"{name}={current[name]} is yours and kept (nbdist would keep {entries} "
-                "collectives: see docs/FAULTS.md)"]
-            return {}, note
-    return {BUFFER_VARIABLES[0]: str(entries)}, []
-
-
-DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-"""Where the recorder's dump goes (NCCL's watchdog writes it on a timeout: docs/NCCL.md): the
-value followed by the rank (torch reads the first one set; the second is the older name; its
-default, /tmp/nccl_trace_rank_, would leave every rank's collectives readable by anyone)."""
-
-
-def dump_environment(current: Mapping[str, str], rank: int,
-                     private_dir: str | None) -> dict[str, str]:
-    """The dump's prefix in a directory only this user reads, unless the user chose one: in the
-    cluster's private directory for a rank on the notebook's machine (removed with it when the
-    cluster stops), else a temporary directory of the rank's own, removed when its engine exits."""
-    if any(name in current for name in DUMP_FILE_VARIABLES):
-        return {}
-    if private_dir:
-        directory = os.path.join(private_dir, f"flight-recorder-rank{rank}")
-        os.makedirs(directory, mode=0o700, exist_ok=True)
-    else:
-        directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
-    return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}
-
-
 def available() -> bool:
     """torch records gloo's collectives too (2.8+) and the buffer is not turned off."""
     if not torch_support.has("flight-recorder"):
         return False
-    for name in BUFFER_VARIABLES:
+    for name in process_group.BUFFER_VARIABLES:
         if name in os.environ:
             return os.environ[name].strip() not in ("", "0")
     return True
 
 
-def _dump(with_entries: bool) -> dict[str, Any]:
+def _dump(with_entries: bool, stacks: bool = False) -> dict[str, Any]:
     from torch._C import _distributed_c10d as c10d
 
-    raw = c10d._dump_fr_trace(includeCollectives=with_entries, includeStackTraces=False,
-                              onlyActive=False)
-    return pickle.loads(raw)
+    return pickle.loads(c10d._dump_fr_trace(includeCollectives=with_entries,
+                                            includeStackTraces=stacks, onlyActive=False))
 
 
 def progress() -> dict[str, tuple[int, int]]:
@@ -121,10 +76,6 @@ def progress() -> dict[str, tuple[int, int]]:
     return {str(name): (int(s.get("last_enqueued_collective", -1)),
                         int(s.get("last_completed_collective", -1)))
             for name, s in status.items()}
-
-
-IN_FLIGHT_POLL = 0.005
-"""Seconds between two looks at whether the collectives a rank left in flight have finished."""
 
 
 def wait_for_in_flight(seconds: float) -> None:
@@ -143,18 +94,14 @@ def wait_for_in_flight(seconds: float) -> None:
                        if name in current):
                 return
             time.sleep(IN_FLIGHT_POLL)
-    except KeyboardInterrupt:  # the stop button after the cell's code: the cell is over anyway
-        return
-    except Exception:  # a group torn down under the dump
-        return
+    except (KeyboardInterrupt, Exception):  # the stop button (the cell is over anyway), or a
+        return  # group torn down under the dump
 
 
 def entries() -> list[EnteredCollective]:
     """Every collective the buffer holds for the current generation's groups, oldest first."""
-    from nbdist.worker.process_group import generation_started
-
     names = _group_names()
-    since_ns = generation_started() * 1e9
+    since_ns = process_group.GENERATION_STARTED * 1e9
     found = []
     for e in _dump(True).get("entries") or []:
         if e.get("is_p2p") or int(e.get("time_created_ns") or 0) < since_ns:
@@ -174,10 +121,8 @@ def entries() -> list[EnteredCollective]:
 
 def _group_names() -> dict[str, tuple[str, tuple[int, ...]]]:
     """torch's group name -> (how a person calls it, its global ranks)."""
-    try:
-        from torch.distributed import distributed_c10d
-    except ImportError:
-        return {}
+    from torch.distributed import distributed_c10d
+
     world = distributed_c10d._world
     default = world.default_pg
     found = {}
@@ -192,9 +137,7 @@ def _label(name: str, desc: str, ranks: tuple[int, ...]) -> str:
     if desc == "default_pg":
         return "default group"
     listed = f" (ranks {', '.join(str(r) for r in ranks)})" if ranks else ""
-    if desc and desc != "undefined":
-        return f"group {desc}{listed}"
-    return f"group {name}{listed}"
+    return f"group {desc if desc and desc != 'undefined' else name}{listed}"
 
 
 def latest(found: list[EnteredCollective]) -> list[EnteredCollective]:
@@ -217,12 +160,6 @@ class Watcher:
         self._last_progress: dict[str, tuple[int, int]] | None = None
         self._read_at: dict[str, tuple[int, int]] | None = None
         self._latest: list[EnteredCollective] = []
-
-    def forget(self) -> None:
-        with self._lock:
-            self._last_progress = None
-            self._read_at = None
-            self._latest = []
 
     def sample(self, fresh: bool = False) -> list[EnteredCollective] | None:
         """Per group the collective a rank is in or last entered (`fresh`: read now, whether
@@ -248,10 +185,7 @@ WATCHER = Watcher()
 def analyser_trace(stacks: bool = True) -> bytes:
     """The rank's whole trace in the format torch.distributed.flight_recorder's analyser reads
     (one file per rank); gloo leaves the groups' ranks out of it, so they are filled in here."""
-    from torch._C import _distributed_c10d as c10d
-
-    trace = pickle.loads(c10d._dump_fr_trace(includeCollectives=True,
-                                             includeStackTraces=stacks, onlyActive=False))
+    trace = _dump(True, stacks)
     config = dict(trace.get("pg_config") or {})
     config.pop("", None)
     for name, (label, ranks) in _group_names().items():

@@ -1,21 +1,21 @@
-"""``nbdist.log(step=..., loss=...)``: rank-side metric logging that feeds the live dashboard.
-
-``log`` only appends to a lock-free buffer and sets the agent's wake event; the rank's telemetry
-thread drains the buffer (the ``"metrics"`` provider) within ``LOG_SPACING``, so the training
-thread never does I/O, pickling or GPU synchronisation.
-"""
+"""What a training loop reports from a rank, for the live dashboard: ``nbdist.log(step=...,
+loss=...)`` (the ``"metrics"`` provider) and its steps and collective waits for the straggler view
+(the ``"timing"`` provider). Both only append to a buffer and wake the telemetry thread, which
+drains it: the training thread never does I/O, pickling or GPU synchronisation. The rank that
+arrived last at a collective waited least, so the notebook compares waits, never host clocks."""
 
 from __future__ import annotations
 
+import functools
 import numbers
+import os
 import threading
 import time
+import weakref
 from collections import deque
 from typing import Any
 
-from nbdist.worker import progress_bars
 from nbdist.worker.agent import TelemetryAgent
-from nbdist.worker.step_timing import install_step_timing, uninstall_step_timing
 
 MAX_BUFFERED = 200_000
 """Records kept between two drains; beyond this the oldest are dropped (and counted)."""
@@ -23,27 +23,21 @@ MAX_BUFFERED = 200_000
 MAX_RECORDS_PER_PAYLOAD = 2_000
 """Records sent per tick and rank; a faster logger is thinned evenly (the newest always kept)."""
 
-# One record: (rank time, step, names, values). Names are interned tuples so a loop that logs the
-# same keys every step costs one dict lookup, not a fresh tuple per call.
+# One record: (rank time, step, names, values)
 _Record = tuple[float, float, tuple[str, ...], tuple[Any, ...]]
 
 
 class _MetricsBuffer:
     def __init__(self) -> None:
-        # deque.append / popleft are atomic under the GIL: the training thread and the telemetry
-        # thread never need a lock, and no record can be lost between a read and a swap.
+        # deque.append / popleft are atomic under the GIL: the training and telemetry threads
+        # need no lock, and no record is lost between a read and a swap
         self.records: deque[_Record] = deque()
         self.enabled = False
         self.wake: threading.Event | None = None
-        """The agent's wake event: set once per batch so the records leave before the next tick."""
         self.last_step = -1.0
         self.dropped = 0
         self.rejected: dict[str, str] = {}
         self.reported: set[str] = set()
-
-    def clear(self) -> None:
-        self.records.clear()
-        self.dropped = 0
 
 
 _BUFFER = _MetricsBuffer()
@@ -53,62 +47,44 @@ def log(step: int | float | None = None, **metrics: Any) -> None:
     """Record numeric metrics for the notebook's dashboard (cheap; never raises).
 
     ``step`` defaults to one past the previous step this rank logged. Values may be Python or
-    NumPy numbers or one-element tensors. A CUDA tensor is *not* synchronised here: it is copied
-    to host memory asynchronously and read by the telemetry thread once its CUDA event has
-    completed (a later publish carries it if it has not yet), so ``nbdist.log(loss=loss)`` does not stall the training loop the way
-    ``loss.item()`` does. Anything else (strings, multi-element tensors) is skipped, and the
-    first offence per name is reported in the payload's ``"rejected"`` field.
-
-    Outside an nbdist engine (plain Python, torchrun, a test) ``log`` is a silent no-op, so the
-    same training code runs everywhere without extra output.
+    NumPy numbers or one-element tensors; a CUDA tensor is copied to the host asynchronously and
+    sent once its copy is done, so ``nbdist.log(loss=loss)`` does not stall the loop the way
+    ``loss.item()`` does. Anything else is skipped, and the first offence per name is reported in
+    the payload's ``"rejected"`` field. Outside an nbdist engine ``log`` does nothing.
     """
     buffer = _BUFFER
     if not buffer.enabled or not metrics:
         return
     try:
-        if step is None:
-            step_value = buffer.last_step + 1.0
-        else:
-            step_value = float(step)
-        buffer.last_step = step_value
-        names = tuple(metrics)
+        buffer.last_step = buffer.last_step + 1.0 if step is None else float(step)
         values = tuple(_capture(name, value) for name, value in metrics.items())
         if len(buffer.records) >= MAX_BUFFERED:
             buffer.records.popleft()
             buffer.dropped += 1
-        buffer.records.append((time.time(), step_value, names, values))
-        wake = buffer.wake
-        # after the append: the thread clears the event before it drains, so no record is stranded
-        if wake is not None and not wake.is_set():
-            wake.set()
+        buffer.records.append((time.time(), buffer.last_step, tuple(metrics), values))
+        # after the append: the thread clears the event before it drains
+        if buffer.wake is not None and not buffer.wake.is_set():
+            buffer.wake.set()
     except Exception:  # a bad value must never surface in the training loop
         buffer.dropped += 1
 
 
 def _capture(name: str, value: Any) -> Any:
-    # Fast path first: most logs are Python floats.
     if isinstance(value, float | int) and not isinstance(value, bool):
         return value
     if isinstance(value, numbers.Real):
         return float(value)
     if isinstance(value, PendingValue):
         return value
-    item = getattr(value, "item", None)
-    if item is None:
-        _reject(name, type(value).__name__)
-        return None
-    numel = getattr(value, "numel", None)
-    if numel is not None and numel() != 1:
-        _reject(name, f"tensor with {numel()} elements")
-        return None
-    if getattr(value, "is_cuda", False):
-        return _PendingCuda(value)
-    return item()
-
-
-def _reject(name: str, why: str) -> None:
+    if not hasattr(value, "item"):
+        why = type(value).__name__
+    elif hasattr(value, "numel") and value.numel() != 1:
+        why = f"tensor with {value.numel()} elements"
+    else:
+        return _PendingCuda(value) if getattr(value, "is_cuda", False) else value.item()
     if name not in _BUFFER.reported:
         _BUFFER.rejected.setdefault(name, why)
+    return None
 
 
 class PendingValue:
@@ -137,112 +113,237 @@ class _PendingCuda(PendingValue):
         self.event.record()
 
     def ready(self) -> bool:
-        # query, never synchronize: behind a stuck collective the event may never fire, and the
-        # drain runs under the agent's publish lock
+        # query, never synchronize: behind a stuck collective the event may never fire
         return bool(self.event.query())
 
     def value(self) -> float:
         return float(self.host.item())
 
 
-def _ready_prefix(records: list[_Record]) -> int:
-    """How many records from the front can be sent now: up to the first with a value pending."""
-    for index, (_t, _step, _names, values) in enumerate(records):
-        for value in values:
-            if isinstance(value, PendingValue):
-                try:
-                    if not value.ready():
-                        return index
-                except Exception:
-                    continue  # a failed event: sent as a gap (None)
-    return len(records)
+def _ready(record: _Record) -> bool:
+    for value in record[3]:
+        if isinstance(value, PendingValue):
+            try:
+                if not value.ready():
+                    return False
+            except Exception:  # a failed event: sent as a gap (None)
+                continue
+    return True
+
+
+def _read(value: Any) -> Any:
+    if not isinstance(value, PendingValue):
+        return value
+    try:
+        return value.value()
+    except Exception:
+        return None
 
 
 def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
-    """The ``"metrics"`` provider: every record logged since the last drain, thinned to ``limit``.
-
-    Returns ``{"t": [...], "step": [...], "values": {name: [value or None, ...]}, "dropped": n}``
-    (columns aligned by index) or ``None`` when nothing was logged.
-    """
+    """The ``"metrics"`` provider: every record logged since the last drain, thinned to ``limit``:
+    ``{"t": [...], "step": [...], "values": {name: [value or None, ...]}, "dropped": n}``
+    (columns aligned by index), or ``None`` when nothing was logged."""
     buffer = _BUFFER
-    records: list[_Record] = []
-    pop = buffer.records.popleft
-    while True:
-        try:
-            records.append(pop())
-        except IndexError:
-            break
-    ready = _ready_prefix(records)
+    records = [buffer.records.popleft() for _ in range(len(buffer.records))]
+    ready = next((i for i, record in enumerate(records) if not _ready(record)), len(records))
     # the rest wait for the next drain, in order, ahead of anything logged meanwhile
     buffer.records.extendleft(reversed(records[ready:]))
     records = records[:ready]
     if not records:
         return None
     dropped = 0
-    if len(records) > limit:
-        # evenly spaced, always keeping the newest record (it carries the current loss)
+    if len(records) > limit:  # evenly spaced, always keeping the newest (the current loss)
         stride = len(records) / limit
-        keep = [records[min(len(records) - 1, int(i * stride))] for i in range(limit - 1)]
-        keep.append(records[-1])
-        dropped = len(records) - len(keep)
-        records = keep
-    columns: dict[str, list[float | None]] = {}
-    times: list[float] = []
-    steps: list[float] = []
-    for index, (t, step, names, values) in enumerate(records):
-        times.append(t)
-        steps.append(step)
+        keep = [records[int(i * stride)] for i in range(limit - 1)] + [records[-1]]
+        dropped, records = len(records) - len(keep), keep
+    columns: dict[str, list[Any]] = {}
+    for index, (_t, _step, names, values) in enumerate(records):
         for name, value in zip(names, values, strict=False):
-            if isinstance(value, PendingValue):
-                try:
-                    value = value.value()
-                except Exception:
-                    value = None
-            column = columns.get(name)
-            if column is None:
-                column = columns[name] = [None] * index
-            column.append(value)
-        for column in columns.values():
-            if len(column) < index + 1:
-                column.append(None)
-    payload: dict[str, Any] = {"t": times, "step": steps, "values": columns}
-    lost = dropped + buffer.dropped
-    buffer.dropped = 0
+            if name not in columns:
+                columns[name] = [None] * len(records)
+            columns[name][index] = _read(value)
+    payload: dict[str, Any] = {"t": [r[0] for r in records], "step": [r[1] for r in records],
+                               "values": columns}
+    lost, buffer.dropped = dropped + buffer.dropped, 0
     if lost:
         payload["dropped"] = lost
-    if buffer.rejected:
-        # each bad name is reported once, not on every tick
+    if buffer.rejected:  # each bad name is reported once, not on every tick
         payload["rejected"] = dict(buffer.rejected)
         buffer.reported.update(buffer.rejected)
         buffer.rejected.clear()
     return payload
 
 
-_INSTALL_LOCK = threading.Lock()
-
-
 def install_metrics(agent: TelemetryAgent) -> None:
-    """Enable :func:`log` in this process and register the ``"metrics"`` provider (never raises)."""
-    try:
-        with _INSTALL_LOCK:
-            _BUFFER.clear()
-            agent.register("metrics", drain)
-            _BUFFER.wake = agent.wake
-            _BUFFER.enabled = True
-    except Exception as exc:  # the dashboard is optional: a rank must come up without it
-        agent.provider_errors["metrics"] = repr(exc)
-    # the straggler view's step and collective timing rides along with the metrics, and
-    # tqdm.auto draws the console bar: one text display per rank in the notebook, kept when saved
-    install_step_timing(agent)
-    progress_bars.install()
+    """Enable :func:`log` in this process and register the ``"metrics"`` provider."""
+    _BUFFER.records.clear()
+    _BUFFER.dropped, _BUFFER.last_step = 0, -1.0
+    agent.register("metrics", drain)
+    _BUFFER.wake = agent.wake
+    _BUFFER.enabled = True
 
 
 def uninstall_metrics(agent: TelemetryAgent | None = None) -> None:
-    """Turn :func:`log` back into a no-op (tests, teardown)."""
+    """Turn :func:`log` back into a no-op (tests)."""
     _BUFFER.enabled = False
     _BUFFER.wake = None
-    _BUFFER.clear()
+    _BUFFER.records.clear()
+    _BUFFER.dropped = 0
     if agent is not None:
         agent.unregister("metrics")
-    uninstall_step_timing(agent)
-    progress_bars.uninstall()
+
+
+MAX_KEPT = 512
+"""Records kept between two drains (a drain every 0.1-0.5 s; DDP makes one per step)."""
+
+DDP_NAME = "DDP gradient all-reduce"
+
+WAKE_SPACING = 0.25
+"""Least seconds between two wakes from optimizer steps: each payload costs the notebook CPU."""
+
+POINT_TO_POINT = frozenset({"send", "recv"})
+"""Not collectives: the pair's sequence numbers say nothing about who the group waited for."""
+
+OPT_OUT = "NBDIST_STEP_TIMING"
+"""``NBDIST_STEP_TIMING=0``: record nothing and leave DDP's own C++ all-reduce in place."""
+
+# (group name, sequence number, group size, collective, seconds waited inside)
+CollectiveRecord = tuple[str, int, int, str, float]
+# (rank time at the step's end, seconds since the previous step, of which waiting in collectives)
+StepRecord = tuple[float, float, float]
+# from before a collective to after it: (group name, seq, size, started)
+Ticket = tuple[str, int, int, float]
+
+
+def _group_or_default(group: Any) -> Any:
+    from torch.distributed import distributed_c10d
+
+    return distributed_c10d._get_default_group() if group is None else group
+
+
+class StepTiming:
+    """This rank's timing records, fed from the training thread and torch's autograd threads."""
+
+    def __init__(self) -> None:
+        self.enabled = True
+        self.collectives: deque[CollectiveRecord] = deque(maxlen=MAX_KEPT)
+        self.steps: deque[StepRecord] = deque(maxlen=MAX_KEPT)
+        self.wake: threading.Event | None = None
+        """The telemetry agent's wake event, set at an optimizer step every `WAKE_SPACING` s."""
+        self._woken_at = 0.0
+        self._lead: weakref.ref[Any] | None = None
+        self._last_step_at: float | None = None
+        self._waited = 0.0
+        self._ddp_ready: tuple[Any, float] | None = None
+
+    def before(self, name: str, group: Any, async_op: bool) -> Ticket | None:
+        """Just before a collective: its group's next sequence number. An async_op one returns
+        at once: its wait is the caller's .wait(), not this call."""
+        if not self.enabled or name in POINT_TO_POINT or async_op:
+            return None
+        try:
+            group = _group_or_default(group)
+            return (group.group_name, group._get_sequence_number_for_group(), group.size(),
+                    time.perf_counter())
+        except Exception:  # not a group of this rank, no group yet: nothing to compare
+            return None
+
+    def after(self, ticket: Ticket, name: str) -> None:
+        group, seq, size, started = ticket
+        self.record(group, seq, size, name, time.perf_counter() - started)
+
+    def record(self, group: str, seq: int, size: int, name: str, waited: float) -> None:
+        self.collectives.append((group, seq, size, name, waited))
+        self._waited += waited
+
+    def watch(self, ddp: Any) -> int:
+        """Hook every trainable parameter of a DDP model: the last gradient ready in a backward is
+        when this rank handed its last bucket to the all-reduce. Returns how many were hooked."""
+        group = getattr(ddp, "process_group", None)
+
+        def ready(_param: Any) -> None:
+            self._ddp_ready = (group, time.perf_counter())
+
+        hooked = 0
+        try:
+            for param in ddp.module.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(ready)
+                    hooked += 1
+        except Exception:  # an older torch or an odd module: DDP trains on, untimed
+            pass
+        return hooked
+
+    def on_optimizer_step_begin(self, *_: Any) -> None:
+        """Global optimizer-step pre hook: DDP's backward has waited for every rank by now."""
+        ready, self._ddp_ready = self._ddp_ready, None
+        if ready is None or not self.enabled:
+            return
+        group, arrived = ready
+        try:
+            group = _group_or_default(group)
+            # the sequence number after the step's buckets is the same on every rank; ":ddp"
+            # keeps it apart from the explicit collective entered at that number next
+            self.record(f"{group.group_name}:ddp", group._get_sequence_number_for_group(),
+                        group.size(), DDP_NAME, time.perf_counter() - arrived)
+        except Exception:
+            pass
+
+    def on_optimizer_step(self, optimizer: Any, *_: Any) -> None:
+        """Global optimizer-step post hook: one record per step of the first optimizer that
+        steps (a second one in the same loop would halve the steps)."""
+        lead = self._lead() if self._lead is not None else None
+        if lead is None:
+            self._lead = weakref.ref(optimizer)
+        elif lead is not optimizer:
+            return
+        now = time.perf_counter()
+        if self._last_step_at is not None and self.enabled:
+            self.steps.append((time.time(), now - self._last_step_at, self._waited))
+            if self.wake is not None and now - self._woken_at >= WAKE_SPACING:
+                self._woken_at = now
+                self.wake.set()
+        self._last_step_at = now
+        self._waited = 0.0
+
+    def cell_started(self) -> None:
+        self._last_step_at = None  # the time between two cells is not a step
+        self._waited = 0.0
+
+    def drain(self) -> dict[str, Any] | None:
+        """The ``"timing"`` provider: records since the last drain, or None."""
+        collectives = [self.collectives.popleft() for _ in range(len(self.collectives))]
+        steps = [self.steps.popleft() for _ in range(len(self.steps))]
+        return {"collectives": collectives, "steps": steps} if collectives or steps else None
+
+
+TIMING = StepTiming()
+_HOOKS: list[Any] = []
+
+
+def install_step_timing(agent: TelemetryAgent, timing: StepTiming = TIMING) -> None:
+    """The ``"timing"`` provider, the optimizer-step hooks and DDP's parameter hooks."""
+    import torch.optim.optimizer as optimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    timing.enabled = os.environ.get(OPT_OUT, "1").lower() not in ("0", "false", "no", "off")
+    timing.wake = agent.wake
+    agent.register("timing", timing.drain)
+    if not _HOOKS:
+        _HOOKS.extend((
+            optimizer.register_optimizer_step_pre_hook(timing.on_optimizer_step_begin),
+            optimizer.register_optimizer_step_post_hook(timing.on_optimizer_step)))
+    if not hasattr(DDP.__init__, "__wrapped__"):
+        DDP.__init__ = _timed_init(DDP.__init__, timing)  # type: ignore[method-assign]
+
+
+def _timed_init(original: Any, timing: StepTiming) -> Any:
+    # DDP's own fused C++ all-reduce stays: a Python comm hook costs a second pass per bucket
+    @functools.wraps(original)
+    def init(ddp: Any, *args: Any, **kwargs: Any) -> None:
+        original(ddp, *args, **kwargs)
+        if timing.enabled:
+            timing.watch(ddp)
+
+    return init

@@ -1,8 +1,5 @@
-"""Network helpers for both sides of a cluster: free ports, which machine this is, its IPv4
-addresses and the local address (and interface) it reaches a peer by.
-
-Plain stdlib and psutil, no torch: the notebook imports this too.
-"""
+"""Network helpers for both sides of a cluster (stdlib and psutil, no torch): free ports, which
+machine this is, its IPv4 addresses and the address (and interface) it reaches a peer by."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import socket
 
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port free right now on `host` (run on rank 0 when its store listens there)."""
+    """A TCP port free right now on `host`."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -30,22 +27,19 @@ def ipv4_addresses() -> dict[str, list[str]]:
     """Each network interface that has IPv4 addresses, with them."""
     import psutil
 
-    return {
-        name: [a.address for a in addrs if a.family == socket.AF_INET]
-        for name, addrs in psutil.net_if_addrs().items()
-        if any(a.family == socket.AF_INET for a in addrs)
-    }
+    found = {name: [a.address for a in addrs if a.family == socket.AF_INET]
+             for name, addrs in psutil.net_if_addrs().items()}
+    return {name: addresses for name, addresses in found.items() if addresses}
 
 
 def interface_ipv4(interface: str) -> str | None:
     """The first IPv4 address of a local network interface, or None."""
-    addresses = ipv4_addresses().get(interface, [])
-    return addresses[0] if addresses else None
+    return next(iter(ipv4_addresses().get(interface, [])), None)
 
 
 def route_source(peer: str) -> str:
-    """The local address the kernel would use to reach `peer`; no packet is sent. Raises OSError
-    when `peer` does not resolve or is unreachable."""
+    """The local address the kernel would use to reach `peer` (no packet is sent); OSError when
+    `peer` does not resolve or is unreachable."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
         s.connect((socket.gethostbyname(peer), 9))
         return str(s.getsockname()[0])
@@ -57,10 +51,8 @@ def route_to(peer: str) -> tuple[str | None, str | None]:
         address = route_source(peer)
     except OSError:
         return None, None
-    for name, addrs in ipv4_addresses().items():
-        if address in addrs:
-            return address, name
-    return address, None
+    names = [name for name, addrs in ipv4_addresses().items() if address in addrs]
+    return address, next(iter(names), None)
 
 
 def is_loopback(address: str) -> bool:
@@ -81,7 +73,7 @@ def host_address() -> str | None:
     if named in mine:
         return named
     try:
-        routed = route_source("192.0.2.1")  # TEST-NET-1: any off-host address gives the default route
+        routed = route_source("192.0.2.1")  # TEST-NET-1: any off-host address takes the default
     except OSError:
         return None
     return routed if routed in mine else None

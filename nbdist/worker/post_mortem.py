@@ -1,10 +1,5 @@
-"""Rank side of `%dist_debug`: a post-mortem `pdb.Pdb` on the rank's last failed cell, kept
-between calls, that runs one command at a time and returns what it printed.
-
-The notebook drives it (`nbdist.cells.post_mortem`), so tensors stay on the rank. The traceback
-is the one IPython saved (`sys.last_exc` / `sys.last_value`), or, when nbdist's process-group
-teardown cleared those to release a peer from a collective, the copy it kept.
-"""
+"""Rank side of `%dist_debug`: a post-mortem pdb on the rank's last failed cell, kept between
+calls, that runs one command at a time and returns what it printed (tensors stay on the rank)."""
 
 from __future__ import annotations
 
@@ -17,63 +12,35 @@ from typing import Any
 from nbdist.worker import process_group
 from nbdist.worker.tracebacks import first_cell_frame
 
-
-def last_exception() -> BaseException | None:
-    return (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
-            or process_group.kept_error())
-
-
 QUIT_COMMANDS = frozenset({"q", "quit", "exit", "c", "cont", "continue"})
 """End the session: the rank is never resumed (post-mortem), so continue means quit too."""
 
 
-class PostMortem:
-    """A `pdb.Pdb` set up on a traceback that never reads stdin: `run(command)` returns the text
-    the command printed. Frames start at the first cell frame (IPython's own frames dropped)."""
+class PostMortem(pdb.Pdb):
+    """pdb on a traceback, from its first cell frame on, that never reads stdin: `run_command`
+    returns what a command printed."""
 
     def __init__(self, traceback: Any) -> None:
         self.output = io.StringIO()
-        self.pdb = pdb.Pdb(stdin=io.StringIO(), stdout=self.output, readrc=False)
-        self.pdb.prompt = ""
-        self.pdb.reset()
-        self.pdb.setup(None, first_cell_frame(traceback) or traceback)
+        super().__init__(stdin=io.StringIO(), stdout=self.output, readrc=False)
+        self.prompt = ""
+        self.reset()
+        self.setup(None, first_cell_frame(traceback) or traceback)
 
-    def current(self) -> str:
-        """The frame the session is in, as pdb shows it on entry (`> file(line)func()`)."""
-        with self._capture() as out:
-            self.pdb.print_stack_entry(self.pdb.stack[self.pdb.curindex])
-        return out.getvalue()
-
-    def run(self, command: str) -> str:
-        with self._capture() as out:
-            self.pdb.onecmd(command)
-        return out.getvalue()
-
-    @contextlib.contextmanager
-    def _capture(self) -> Any:
+    def run_command(self, command: str | None) -> str:
+        """What `command` printed; None: the frame the session is in, as pdb shows it on entry."""
         self.output.seek(0)
         self.output.truncate()
         # statements (`!x = 1`, `print(x)`) print to sys.stdout, pdb's own commands to its stdout
         with contextlib.redirect_stdout(self.output), contextlib.redirect_stderr(self.output):
-            yield self.output
-
-    def close(self) -> None:
-        self.pdb.forget()  # drop the frame references pdb holds; the traceback itself stays
+            if command is None:
+                self.print_stack_entry(self.stack[self.curindex])
+            else:
+                self.onecmd(command)
+        return self.output.getvalue()
 
 
 _SESSION: PostMortem | None = None
-
-
-def last_traceback() -> Any:
-    """The traceback of the last failed cell on this rank, or None."""
-    exc = last_exception()
-    tb = getattr(exc, "__traceback__", None) if exc is not None else None
-    return tb if tb is not None else getattr(sys, "last_traceback", None)
-
-
-def last_error() -> str:
-    exc = last_exception()
-    return "" if exc is None else f"{type(exc).__name__}: {exc}"
 
 
 def start() -> dict[str, Any]:
@@ -81,16 +48,20 @@ def start() -> dict[str, Any]:
     or why there is nothing to debug)."""
     global _SESSION
     stop()
-    tb = last_traceback()
+    # what IPython saved, or the copy the process group's teardown kept when it cleared that
+    exc = (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
+           or process_group.KEPT_ERROR)
+    tb = None if exc is None else exc.__traceback__
+    error = "" if exc is None else f"{type(exc).__name__}: {exc}"
     if tb is None:
         return {"ok": False, "error": "", "text": "no traceback to debug on this rank (its last "
                 "cell did not fail, or the traceback was dropped when its process group was "
                 "torn down)"}
     if first_cell_frame(tb) is None:
-        return {"ok": False, "error": "", "text": f"the last error on this rank ({last_error()}) "
+        return {"ok": False, "error": "", "text": f"the last error on this rank ({error}) "
                 "was not raised in a cell"}
     _SESSION = PostMortem(tb)
-    return {"ok": True, "error": last_error(), "text": _SESSION.current()}
+    return {"ok": True, "error": error, "text": _SESSION.run_command(None)}
 
 
 def command(line: str) -> dict[str, Any]:
@@ -100,11 +71,11 @@ def command(line: str) -> dict[str, Any]:
     if line.strip() in QUIT_COMMANDS:
         stop()
         return {"text": "", "done": True}
-    return {"text": _SESSION.run(line), "done": False}
+    return {"text": _SESSION.run_command(line), "done": False}
 
 
 def stop() -> None:
     global _SESSION
     if _SESSION is not None:
-        _SESSION.close()
+        _SESSION.forget()  # drop the frame references pdb holds; the traceback itself stays
     _SESSION = None

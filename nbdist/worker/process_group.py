@@ -1,86 +1,173 @@
-"""The rank's torch.distributed process group: one generation at a time, each on a fresh store.
-
-A generation is torn down (so peers blocked on this rank fail at once instead of waiting for the
-timeout) and rebuilt on a new port; the notebook side decides when (see nbdist.cells.faults).
-"""
+"""The rank's torch.distributed process group: the environment torch reads when it creates one
+(a variable the user set stays theirs, with a note), and one generation at a time, each on a fresh
+store, torn down (peers blocked on this rank fail at once) and rebuilt when the notebook says."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
+import gc
 import os
+import shutil
 import socket
+import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from nbdist import ipp_compat, torch_support
+from nbdist.worker import release
 
-_GENERATION_STARTED = 0.0
+NCCL_ENVIRONMENT: dict[str, str] = {
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # the next wait raises; torch's 3 ends the process
+    "TORCH_NCCL_ENABLE_MONITORING": "0",  # the interrupt ladder decides when an engine dies
+    "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the flight recorder's dump on a timeout or error
+    "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",  # the cell sees the error 4 times this later
+}
+"""What an NCCL rank runs with, so that a stuck collective is an error in the cell, not the end
+of the engine (docs/NCCL.md says why, per variable)."""
+
+BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
+"""The flight recorder's buffer size: torch reads the first one set (the second: older name)."""
+
+DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+"""The prefix of the recorder's dump (torch's default in /tmp is readable by anyone)."""
+
+DDP_PROBE = """
+import torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+"""
+"""Some torch releases crash building a DDP model under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
 
 
-def generation_started() -> float:
-    """When this rank began joining its current generation (time.time()): the flight recorder's
-    entries before it belong to groups that no longer exist."""
-    return _GENERATION_STARTED
+def apply_environment(setup: Any) -> list[str]:
+    """Set this rank's group environment (a `RankSetup`); the notes the user should see."""
+    faults = setup.config.faults
+    nccl, notes = nccl_environment(os.environ) if setup.spec.backend == "nccl" else ({}, [])
+    buffer, buffer_notes = _user_wins(
+        {BUFFER_VARIABLES: str(faults.flight_recorder_entries)}, os.environ, "FAULTS.md")
+    os.environ.update({**nccl, **buffer,
+                       **dump_environment(os.environ, setup.spec.rank, setup.private_dir)})
+    return notes + buffer_notes + check_collectives(faults.check_collectives)
 
 
-def init_generation(
-    backend: str,
-    master_addr: str,
-    port: int,
-    rank: int,
-    world_size: int,
-    timeout_s: float,
-    gpus: list[int],
-    generation: int,
-    store_path: str | None = None,
-) -> dict[str, Any]:
-    """Join generation `generation`. On one host the store is a file in the cluster's private
-    directory (`store_path`, new per generation, owner-only): nothing listens on a port at all.
-    Across hosts (or on a named interface): a TCP store on rank 0, listening on `master_addr:port`
-    only (see `_tcp_store`)."""
+def _user_wins(wanted: Mapping[tuple[str, ...], str], current: Mapping[str, str],
+               doc: str) -> tuple[dict[str, str], list[str]]:
+    """What to set (under the first name, where the user set none of a value's names), and one
+    note per value the user set to something else."""
+    to_set: dict[str, str] = {}
+    notes: list[str] = []
+    for names, value in wanted.items():
+        theirs = next((name for name in names if name in current), None)
+        if theirs is None:
+            to_set[names[0]] = value
+        elif current[theirs].strip() != value:
+            notes.append(f"{theirs}={current[theirs]} is yours and kept (nbdist would set "
+                         f"{value}: see docs/{doc})")
+    return to_set, notes
+
+
+def nccl_environment(current: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
+    """The NCCL variables to set, and a note per one the user set otherwise (theirs wins)."""
+    return _user_wins({(name,): value for name, value in NCCL_ENVIRONMENT.items()}, current,
+                      "NCCL.md")
+
+
+def dump_environment(current: Mapping[str, str], rank: int,
+                     private_dir: str | None) -> dict[str, str]:
+    """The dump's prefix in a directory only this user reads, unless the user chose one: the
+    cluster's private directory for a rank on the notebook's machine, else a temporary one,
+    removed when the engine exits."""
+    if any(name in current for name in DUMP_FILE_VARIABLES):
+        return {}
+    if private_dir:
+        directory = os.path.join(private_dir, f"flight-recorder-rank{rank}")
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+    else:
+        directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
+        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+    return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}
+
+
+def check_collectives(check: bool) -> list[str]:
+    """torch compares every collective's operation and shapes across ranks before it runs
+    (TORCH_DISTRIBUTED_DEBUG=DETAIL, read at import: set again here); a note where DDP crashes
+    under it."""
+    from torch._C import _distributed_c10d
+
+    if check:
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+    if "TORCH_DISTRIBUTED_DEBUG" not in os.environ:
+        return []
+    _distributed_c10d.set_debug_level_from_env()
+    if os.environ["TORCH_DISTRIBUTED_DEBUG"].strip().upper() != "DETAIL" or ddp_survives():
+        return []
+    import torch
+
+    return [f"collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) are on, and on torch "
+            f"{torch.__version__} DistributedDataParallel crashes the process (SIGSEGV) under "
+            "them: a DDP model would end its engine. Start without --check-collectives to "
+            "train with DDP (FSDP2 and plain collectives are checked fine)."]
+
+
+def ddp_survives() -> bool:
+    """Whether building a DDP model under DETAIL leaves a process alive (in a child process)."""
+    env = dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL", OMP_NUM_THREADS="1")
+    try:
+        probe = subprocess.run([sys.executable, "-c", DDP_PROBE], env=env, timeout=120,
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired:
+        return False
+    return probe.returncode == 0
+
+
+GENERATION_STARTED = 0.0
+"""When this rank began joining its current generation (time.time()): the flight recorder's
+entries before it belong to groups that no longer exist."""
+
+KEPT_ERROR: BaseException | None = None
+"""The rank's last cell error as the teardown found it, for `%dist_debug`."""
+
+
+def init_generation(backend: str, master_addr: str, port: int, rank: int, world_size: int,
+                    timeout_s: float, gpus: list[int], store_path: str | None = None) -> None:
+    """Join a new generation. On one host the store is a file in the cluster's private directory
+    (`store_path`, owner-only): nothing listens on a port. Across hosts: a TCP store on rank 0,
+    listening on `master_addr:port` only."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from nbdist.worker import release
-
-    global _GENERATION_STARTED
-    _GENERATION_STARTED = time.time()
-    started = time.perf_counter()
-    sockets_before = release.socket_fds()
-    os.environ["MASTER_ADDR"] = master_addr
-    os.environ["MASTER_PORT"] = str(port)
+    global GENERATION_STARTED
+    GENERATION_STARTED = time.time()
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
     kwargs: dict[str, Any] = {}
     if backend == "nccl" and len(gpus) == 1:
         # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be
         # free to run collectives on any of them
         kwargs["device_id"] = torch.device("cuda", gpus[0])
     if store_path is not None:
-        # torch creates the file with the rank's umask (the user's: often world-readable);
-        # created first, owner-only, it keeps that mode
+        # torch creates the file with the user's umask; created first, owner-only, it stays so
         os.close(os.open(store_path, os.O_WRONLY | os.O_CREAT, 0o600))
         kwargs["store"] = dist.FileStore(store_path, world_size)
     else:
         kwargs["store"] = _tcp_store(master_addr, port, rank, world_size, timeout_s)
-    # torch's own function: `dist.init_process_group` is the cells' wrapper (init_calls)
-    distributed_c10d.init_process_group(
-        backend=torch_backend(backend),
-        rank=rank,
-        world_size=world_size,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        **kwargs,
-    )
-    check = torch.ones(1, device=f"cuda:{gpus[0]}" if backend == "nccl" else "cpu") * (rank + 1)
-    dist.all_reduce(check)
-    release.record_group_sockets(sockets_before)
+    with release.recording_sockets():
+        # torch's own function: `dist.init_process_group` is the cells' wrapper (pasted_code)
+        distributed_c10d.init_process_group(
+            backend=torch_backend(backend), rank=rank, world_size=world_size,
+            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+        device = f"cuda:{gpus[0]}" if backend == "nccl" else "cpu"
+        check = torch.full((1,), rank + 1.0, device=device)
+        dist.all_reduce(check)
     expected = world_size * (world_size + 1) / 2
     if float(check.item()) != expected:
-        raise RuntimeError(
-            f"process group check failed on rank {rank}: all_reduce gave {check.item()}, "
-            f"expected {expected}"
-        )
-    return {"generation": generation, "seconds": time.perf_counter() - started}
+        raise RuntimeError(f"process group check failed on rank {rank}: all_reduce gave "
+                           f"{check.item()}, expected {expected}")
 
 
 def torch_backend(backend: str) -> str:
@@ -90,31 +177,28 @@ def torch_backend(backend: str) -> str:
 
 
 def sequence_numbers() -> dict[str, int]:
-    """Device type -> how many collectives this rank has queued on the world group's backend
-    for it (NCCL counts at enqueue, before the collective ran). Equal on every rank between
-    cells unless one rank queued a collective its peers never reached."""
+    """Device type -> how many collectives this rank queued on the world group's backend for it
+    (NCCL counts at enqueue): equal on every rank between cells unless one queued a collective
+    its peers never reached."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    if not (dist.is_available() and dist.is_initialized()):
+    if not is_initialized():
         return {}
     group = distributed_c10d._get_default_group()
     found: dict[str, int] = {}
     for device in dist.get_backend_config().split(","):
         kind = device.split(":")[0].strip()
-        try:
-            backend = group._get_backend(torch.device(kind))
-            found[kind] = int(backend._get_sequence_number_for_group())
-        except (RuntimeError, ValueError):
-            continue
+        with contextlib.suppress(RuntimeError, ValueError):
+            found[kind] = int(group._get_backend(torch.device(kind))
+                              ._get_sequence_number_for_group())
     return found
 
 
 def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
-    """The generation's TCP store. torch's store server listens on every interface (`::`)
-    whatever host it is given, and it is unauthenticated: rank 0 binds the listening socket
-    itself, on `master_addr` only (the interface nbdist or the user chose), and hands it over."""
+    """torch's store server listens on every interface whatever host it is given, unauthenticated:
+    rank 0 binds the listening socket itself, on `master_addr` only, and hands it over."""
     import torch.distributed as dist
 
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -122,67 +206,46 @@ def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_
         return dist.TCPStore(master_addr, port, world_size, is_master=False, timeout=timeout)
     family, _kind, _proto, _name, address = socket.getaddrinfo(
         master_addr, port, type=socket.SOCK_STREAM)[0]
-    listener = socket.socket(family, socket.SOCK_STREAM)
-    try:
+    with socket.socket(family, socket.SOCK_STREAM) as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(address)
         listener.listen(max(128, world_size))
-    except OSError:
-        listener.close()
-        raise
-    # the store owns the descriptor from here on (it closes it when the generation ends)
-    return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
-                         master_listen_fd=listener.detach(),
-                         use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
+        # the store owns the descriptor from here on (it closes it when the generation ends)
+        return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
+                             master_listen_fd=listener.detach(),
+                             use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
 
 
 def teardown() -> bool:
-    """Abort and destroy the current process group if any; True if there was one.
-
-    destroy alone is not enough: a failed cell's traceback or a DDP model keeps the group's
-    objects (and so its sockets) alive, and peers stay blocked; gloo's abort does not close them
-    either. So the group's sockets are shut down too (nbdist.worker.release): before the abort
-    on gloo, after it on NCCL, whose proxy must see its communicator aborted, not its sockets
-    fail under it.
-    """
-    import gc
-
+    """Abort and destroy the current process group if any; True if there was one. Destroy alone
+    is not enough: a failed cell's traceback or a DDP model keeps the group's sockets open, and
+    peers stay blocked, so they are shut down too (`release.release_now`)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from nbdist.worker import release
-
-    if not dist.is_available() or not dist.is_initialized():
-        # the cell destroyed the group, but a DDP model may still hold it connected: a collective
-        # on it would wait for a peer forever
+    if not is_initialized():
+        # the cell destroyed the group, but a DDP model may still hold it connected
         release.shutdown_group_sockets()
         release.forget_group_sockets()
         return False
     nccl = release.uses_nccl(dist.get_backend())
-    if not nccl:
-        release.shutdown_group_sockets()  # peers fail now, whatever still references the group
     _drop_last_traceback()
-    try:
-        distributed_c10d._abort_process_group()
-    except Exception:
-        pass
-    if nccl:
-        release.shutdown_group_sockets()  # the group's gloo half (CPU tensors)
+    release.release_now()  # NCCL's communicators aborted, then the sockets shut
+    if not nccl:
+        with contextlib.suppress(Exception):  # a broken group can fail to abort cleanly
+            distributed_c10d._abort_process_group()
     release.forget_group_sockets()
-    try:
+    with contextlib.suppress(Exception):
         distributed_c10d.destroy_process_group()
-    except Exception:
-        # a broken group can fail to destroy cleanly; what matters is that its sockets close
-        pass
-    sys.last_traceback = None
     gc.collect()
     return True
 
 
 def _drop_last_traceback() -> None:
-    # %dist_debug still wants the rank's own error: keep it (the group's sockets are shut down
-    # already, so holding the user's frames no longer holds any peer)
-    _keep_error(getattr(sys, "last_exc", None) or getattr(sys, "last_value", None))
+    # %dist_debug still wants the rank's own error: kept (the group's sockets are shut down by
+    # then, so holding the user's frames no longer holds any peer)
+    global KEPT_ERROR
+    KEPT_ERROR = getattr(sys, "last_exc", None) or getattr(sys, "last_value", None) or KEPT_ERROR
     for name in ("last_traceback", "last_value", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
@@ -200,16 +263,3 @@ def is_initialized() -> bool:
     import torch.distributed as dist
 
     return dist.is_available() and dist.is_initialized()
-
-
-_KEPT_ERROR: list[BaseException] = []
-
-
-def _keep_error(exc: BaseException | None) -> None:
-    if exc is not None:
-        _KEPT_ERROR[:] = [exc]
-
-
-def kept_error() -> BaseException | None:
-    """The rank's last cell error as the teardown found it, for `%dist_debug`."""
-    return _KEPT_ERROR[0] if _KEPT_ERROR else None

@@ -1,34 +1,25 @@
 """torch.profiler on one rank, for one `%%distributed --profile` cell or a `with nbdist.profile()`
-block, exported as plain dicts (wall-clock aligned) that `nbdist.profiler` merges across ranks.
-
-While a profile runs, the public collectives are wrapped once more so each explicit call is a
-``nbdist.collective:<name>|<group>`` range: the notebook matches calls across ranks by group and
-order. Nothing is wrapped, and nothing costs anything, when no profile runs.
-"""
+block, exported as plain dicts (wall-clock aligned) that `nbdist.profiler` merges across ranks."""
 
 from __future__ import annotations
 
-import functools
 import os
 import socket
 import sys
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from nbdist.worker.collectives import COLLECTIVES
-from nbdist.worker.step_timing import call_argument, parameter_index
+from nbdist.worker import collectives
 
 MAX_EVENTS = 20_000
 """Events kept per rank and capture; beyond it the shortest nested operators are dropped first
 (collectives and top-level operators are always kept). The capture says how many were dropped."""
 TOP_OPERATORS = 15
 ANCHOR = "nbdist.anchor"
-COLLECTIVE_PREFIX = "nbdist.collective:"
-_COMM_MARKS = ("c10d::", "gloo:", "nccl", "record_param_comms", COLLECTIVE_PREFIX)
+_COMM_MARKS = ("c10d::", "gloo:", "nccl", "record_param_comms", collectives.PROFILE_PREFIX)
 
 
 @dataclass
@@ -37,8 +28,6 @@ class _Session:
     anchor_wall_us: float
     cell_start_us: float | None = None
     cell_end_us: float | None = None
-    wrapped: dict[str, Callable[..., Any]] = field(default_factory=dict)
-    depth: threading.local = field(default_factory=threading.local)
 
 
 _ACTIVE: _Session | None = None
@@ -82,18 +71,18 @@ def start() -> bool:
     with torch.profiler.record_function(ANCHOR):  # its middle is this wall-clock instant
         pass
     _ACTIVE = _Session(profiler, (before + time.time_ns()) / 2000)
-    _wrap_collectives(_ACTIVE)
+    collectives.install()  # under plain torchrun too: each explicit call becomes a named range
+    collectives.TRACKER.profiling = True
     return True
 
 
 def stop(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
-    """Stop the running profile (None if none) and return its capture (also kept as
-    `LAST_CAPTURE`)."""
+    """Stop the running profile; its capture (None if none ran), also kept as `LAST_CAPTURE`."""
     global _ACTIVE, LAST_CAPTURE
     session, _ACTIVE = _ACTIVE, None
     if session is None:
         return None
-    _unwrap_collectives(session)
+    collectives.TRACKER.profiling = False
     end_wall_us = time.time_ns() / 1000
     with _quiet_stderr():
         session.profiler.__exit__(None, None, None)
@@ -125,16 +114,12 @@ def profile(path: str | None = None) -> Iterator[None]:
 def _quiet_stderr() -> Iterator[None]:
     """Kineto writes "USDT: ... profiler_start/stop" lines to fd 2 on every start and stop, which
     would land in the cell's output of every rank; KINETO_LOG_LEVEL does not silence them."""
+    sys.stderr.flush()
+    saved, devnull = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
     try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError):  # no real fd 2 here: nothing to hide
         yield
-        return
-    try:
-        with open(os.devnull, "w") as devnull:
-            os.dup2(devnull.fileno(), 2)
-            yield
     finally:
         os.dup2(saved, 2)
         os.close(saved)
@@ -147,69 +132,6 @@ def rank_path(path: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-def current_rank() -> int:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_rank())
-    except Exception:  # a broken group still has a rank in the environment
-        pass
-    return int(os.environ.get("RANK", "0"))
-
-
-# ---------------------------------------------------------------- collectives as ranges
-def _wrap_collectives(session: _Session) -> None:
-    import torch.distributed as dist
-
-    for name in COLLECTIVES:
-        fn = getattr(dist, name, None)
-        if fn is not None:
-            session.wrapped[name] = fn
-            setattr(dist, name, _labelled(name, fn, session))
-
-
-def _unwrap_collectives(session: _Session) -> None:
-    import torch.distributed as dist
-
-    for name, fn in session.wrapped.items():
-        if getattr(getattr(dist, name, None), "__nbdist_profiled__", False):
-            setattr(dist, name, fn)
-
-
-def _labelled(name: str, fn: Callable[..., Any], session: _Session) -> Callable[..., Any]:
-    import torch
-
-    group_at = parameter_index(fn, "group")
-
-    @functools.wraps(fn)
-    def labelled(*args: Any, **kwargs: Any) -> Any:
-        depth = getattr(session.depth, "value", 0)
-        if depth:  # all_gather_object -> all_gather: one call, the outer one
-            return fn(*args, **kwargs)
-        session.depth.value = 1
-        try:
-            group = call_argument(args, kwargs, "group", group_at, None)
-            label = f"{COLLECTIVE_PREFIX}{name}|{_group_name(group)}"
-            with torch.profiler.record_function(label):
-                return fn(*args, **kwargs)
-        finally:
-            session.depth.value = 0
-
-    labelled.__nbdist_profiled__ = True  # type: ignore[attr-defined]
-    return labelled
-
-
-def _group_name(group: Any) -> str:
-    """The name of a call's group (None: the default group's)."""
-    if group is None:
-        import torch.distributed as dist
-
-        group = dist.group.WORLD
-    return str(getattr(group, "group_name", "") or "?")
-
-
-# ---------------------------------------------------------------- export
 def _capture(session: _Session, end_wall_us: float, max_events: int) -> dict[str, Any]:
     profiler = session.profiler
     events = list(profiler.events() or [])
@@ -223,7 +145,7 @@ def _capture(session: _Session, end_wall_us: float, max_events: int) -> dict[str
                 if event["ts"] + event["dur"] >= start_us and event["ts"] <= end_us]
     kept = _thin(exported, max_events)
     return {
-        "rank": current_rank(),
+        "rank": int(os.environ.get("RANK", "0")),  # set on a rank and under torchrun
         "host": socket.gethostname(),
         "pid": os.getpid(),
         "start_us": start_us,
@@ -265,7 +187,7 @@ def _thin(events: list[dict[str, Any]], max_events: int) -> list[dict[str, Any]]
 def _top_operators(profiler: Any) -> list[dict[str, Any]]:
     rows = []
     for avg in profiler.key_averages():
-        if avg.key.startswith((ANCHOR, COLLECTIVE_PREFIX)):
+        if avg.key.startswith((ANCHOR, collectives.PROFILE_PREFIX)):
             continue
         device_self = float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
         rows.append({"name": avg.key, "count": int(avg.count),

@@ -1,38 +1,27 @@
-"""Release a rank whose main thread is blocked inside a collective, from another thread.
-
-A rank blocked in C++ (a gloo barrier waiting for a peer that never comes) does not see SIGINT:
-Python runs signal handlers only between bytecodes of the main thread. So an nbdist engine keeps
-one more signal, ``RELEASE_SIGNAL`` (SIGUSR2), blocked in every thread but one that waits for it.
-On that signal the thread makes the blocked collective fail:
-
-- NCCL: ``_abort_process_group()``, which is what it is for; then the sockets of the group's
-  gloo half (its CPU tensors), as below.
-- gloo: its abort does not wake a waiting op (measured, torch 2.13), so the group's own connected
-  sockets, recorded when the generation was created, are shut down; the op then fails with
-  "Connection closed by peer". Listening sockets are left alone: gloo aborts the process if its
-  listener breaks.
-
-The group is broken afterwards; the notebook side rebuilds it (``nbdist.cells.faults``).
-
-The same thread answers ``REPORT_SIGNAL``: the notebook asks where the rank is now (at a deadline,
-the stop button), and a rank whose main thread is blocked still says so within milliseconds.
-"""
+"""Release a rank whose main thread is blocked inside a collective, and say where it is, from a
+thread of its own. Python runs signal handlers only between the main thread's bytecodes, so a rank
+blocked in C++ never sees SIGINT: an engine keeps two more signals blocked in every thread but one
+that waits for them."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 RELEASE_SIGNAL = signal.SIGUSR2
+"""Make the blocked collective fail: NCCL's communicators are aborted, then every group's
+connected sockets shut down (gloo's abort does not wake a waiting op). The group is broken
+afterwards; the notebook rebuilds it."""
 
 REPORT_SIGNAL = int(signal.SIGRTMIN) + 1
-"""A real-time signal no library here uses (SIGUSR1 may be Slurm's warning before a job ends)."""
+"""Say where the rank is now (`report_hook`): a real-time signal no library here uses (SIGUSR1
+may be Slurm's warning before a job ends)."""
 
 report_hook: Callable[[], None] | None = None
-"""What the thread runs on REPORT_SIGNAL (the rank's telemetry says where it is)."""
 
 _SIGNALS: set[int] = {RELEASE_SIGNAL, REPORT_SIGNAL}
 
@@ -41,20 +30,16 @@ _GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never
 
 
 def install() -> None:
-    """Call first thing in the engine's main thread, before any other thread starts: threads
-    inherit the blocked mask, so only the waiting thread ever receives the signal."""
+    """Call first thing in the engine's main thread: threads inherit the blocked mask, so only
+    the waiting thread ever receives the signals."""
     global INSTALLED
     if INSTALLED or threading.active_count() > 1:
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, _SIGNALS)
-    os.register_at_fork(after_in_child=_unblock_in_child)
+    # a forked child (a DataLoader worker) should not inherit signals nobody waits for
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS))
     threading.Thread(target=_wait_loop, name="nbdist-release", daemon=True).start()
     INSTALLED = True
-
-
-def _unblock_in_child() -> None:
-    # a forked child (a DataLoader worker) should not inherit signals nobody waits for
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _SIGNALS)
 
 
 def _wait_loop() -> None:
@@ -72,31 +57,26 @@ def _wait_loop() -> None:
 def socket_fds() -> dict[int, str]:
     """This process's socket file descriptors and their inode names."""
     found: dict[int, str] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return found
-    for name in names:
-        try:
+    for name in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
             link = os.readlink(f"/proc/self/fd/{name}")
-        except OSError:
-            continue
-        if link.startswith("socket:"):
-            found[int(name)] = link
+            if link.startswith("socket:"):
+                found[int(name)] = link
     return found
 
 
-def record_group_sockets(before: dict[int, str]) -> int:
-    """After a generation is created: remember the sockets that appeared since `before`."""
+@contextlib.contextmanager
+def recording_sockets() -> Iterator[None]:
+    """Remember the sockets a group's creation (and first collective) opened."""
+    before = socket_fds()
+    yield
     after = socket_fds()
     _GROUP_SOCKETS.update({fd: inode for fd, inode in after.items() if before.get(fd) != inode})
-    return len(_GROUP_SOCKETS)
 
 
 def watch_new_groups() -> None:
-    """Record the sockets of every group created later too (``new_group``, a DeviceMesh's
-    dimensions): a collective one member of a sub-group skips is released like the world's.
-    Every way torch creates a group goes through this one private helper (torch 2.6 to 2.13)."""
+    """Record the sockets of every group created later too (``new_group``, a DeviceMesh's): every
+    way torch creates a group goes through this one private helper (torch 2.6 to 2.13)."""
     from torch.distributed import distributed_c10d
 
     create = distributed_c10d._new_process_group_helper
@@ -104,12 +84,8 @@ def watch_new_groups() -> None:
         return
 
     def recorded(*args: object, **kwargs: object) -> object:
-        before = socket_fds()
-        group = create(*args, **kwargs)
-        after = socket_fds()
-        _GROUP_SOCKETS.update({fd: inode for fd, inode in after.items()
-                               if before.get(fd) != inode})
-        return group
+        with recording_sockets():
+            return create(*args, **kwargs)
 
     recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
     distributed_c10d._new_process_group_helper = recorded
@@ -126,22 +102,20 @@ def uses_nccl(backend: str) -> bool:
 
 def release_now() -> int:
     """Make a collective blocked on this rank fail; returns how many sockets were shut down."""
-    try:
-        import torch.distributed as dist
-        from torch.distributed import distributed_c10d
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
 
-        if dist.is_available() and dist.is_initialized() and uses_nccl(dist.get_backend()):
+    with contextlib.suppress(Exception):
+        if dist.is_initialized() and uses_nccl(dist.get_backend()):
             # aborted first: NCCL's proxy must not see its sockets fail under a live communicator
             distributed_c10d._abort_process_group()
-    except Exception:
-        pass
     return shutdown_group_sockets()
 
 
 def shutdown_group_sockets() -> int:
-    """Shut down the current generation's connected sockets (not its listener). Peers blocked on
-    this rank then fail at once, even while something (a DDP model, a traceback) still holds the
-    group object and so keeps its sockets open."""
+    """Shut down the groups' connected sockets (never a listener: gloo ends the process if its
+    listener breaks). Peers blocked on this rank then fail at once, even while something (a DDP
+    model, a traceback) still holds the group object and so keeps its sockets open."""
     closed = 0
     current = socket_fds()
     for fd, inode in sorted(_GROUP_SOCKETS.items()):
@@ -152,10 +126,9 @@ def shutdown_group_sockets() -> int:
         except OSError:
             continue
         try:
-            if sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                continue
-            sock.shutdown(socket.SHUT_RDWR)
-            closed += 1
+            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                sock.shutdown(socket.SHUT_RDWR)
+                closed += 1
         except OSError:
             pass
         finally:

@@ -1,5 +1,5 @@
 """What the notebook tells a rank at set-up and what the rank answers, defined once for both
-sides. Plain frozen dataclasses of plain types: they cross ipyparallel's pickling."""
+sides: frozen dataclasses of plain types, pickled by ipyparallel."""
 
 from __future__ import annotations
 
@@ -41,8 +41,7 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class RankSetup:
-    """What `nbdist.worker.bootstrap.setup_rank` is told: who the rank is, where its process
-    group meets, how many threads it runs, and the config it follows."""
+    """What `nbdist.worker.bootstrap.setup_rank` is told."""
 
     spec: RankSpec
     master_addr: str
@@ -50,22 +49,17 @@ class RankSetup:
     generation: int
     """The process group's generation: each rebuild joins a new one on a fresh store."""
     store_path: str | None
-    """This generation's FileStore when every rank is on the notebook's machine; else None, and
-    the store is TCP on rank 0."""
+    """This generation's FileStore when every rank is on the notebook's machine; else None: a
+    TCP store on rank 0."""
     threads: int
     cwd: str
     """The notebook's working directory: the rank works there too (when it exists there)."""
     interface: str | None
-    """The interface gloo, NCCL and TensorPipe use (--interface, or across hosts the one the
-    rank reaches the controller by); None: their own choice, loopback on one host."""
+    """The interface gloo, NCCL and TensorPipe use; None: loopback on one host, else theirs."""
     private_dir: str | None
-    """The cluster's private directory, for a rank on this machine only: the flight recorder's
-    dump goes there."""
+    """The cluster's private directory, for a rank on this machine only (flight recorder dumps)."""
     channel: ChannelSetup
-    """Where the rank listens for cells, their output, pdb answers and widget messages."""
     config: NbdistConfig
-    """The rank reads its faults (group timeouts, flight recorder), telemetry, internal
-    sections and `start.memory_limit`."""
 
     @property
     def process_group_timeout(self) -> float:
@@ -81,6 +75,5 @@ class RankReady:
     device: str
     threads: int
     endpoint: ChannelEndpoint
-    """Where the rank's cell channel listens (nbdist.worker.cell_channel)."""
     notes: tuple[str, ...] = ()
     """Settings the rank kept rather than nbdist's (an NCCL variable the user set...)."""

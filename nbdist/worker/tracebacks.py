@@ -1,13 +1,5 @@
-"""Cheap tracebacks on the ranks for the errors nbdist reports by one line only.
-
-IPython formats an error with stack_data and pygments: the first one in a process costs 0.4-0.6 s
-of CPU when it passes through torch's large source files, and IPython 9 formats it twice (once to
-show, once for its history). After the stop button every rank raises KeyboardInterrupt at once,
-so 4 ranks on 2 cores spent several seconds formatting tracebacks nobody reads (measured: the
-ranks were in pygments 4 s after SIGINT). nbdist shows a KeyboardInterrupt or a "peer went away"
-error as "rank 2: interrupted at cell line 5", so those get a plain traceback (a few ms); every
-other error keeps IPython's full, coloured one.
-"""
+"""Plain tracebacks on the ranks for the errors nbdist reports by one line only (an interrupt,
+a peer gone): IPython's formatter costs seconds of CPU per rank there (docs/FAULTS.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +8,7 @@ import traceback as _traceback
 from typing import Any
 
 from nbdist import ipp_compat, torch_support
-from nbdist.worker import memory_limit
+from nbdist.worker import rank_memory
 from nbdist.worker.collectives import is_cell_file, is_transport_failure
 
 
@@ -27,12 +19,13 @@ def install(shell: Any) -> None:
     ipp_compat.skip_stored_tracebacks(shell, _for_storage)
 
 
-def _format(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
+def _format(shell: Any, etype: type, value: BaseException, tb: Any,
+            tb_offset: Any = None) -> list[str]:
     """IPython's custom-exception hook. It must show the error itself: IPython 9 drops what the
     hook returns, and ipykernel's error reply takes the traceback from ``_showtraceback``."""
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # as showtraceback does
     _note_old_torch(etype, value)
-    with memory_limit.lifted():  # an error that hit --memory-limit must still be shown
+    with rank_memory.lifted():  # an error that hit --memory-limit must still be shown
         if etype is KeyboardInterrupt or is_transport_failure(value):
             stb = plain(etype, value, tb)
         else:

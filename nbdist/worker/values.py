@@ -1,11 +1,13 @@
-"""Values crossing between the notebook and a rank (%dist_push, %dist_pull): every tensor
-inside them moved to one device, wherever it sits (dicts, lists, namedtuples, dataclasses,
-attributes of any picklable object)."""
+"""Values crossing between the notebook and a rank (%dist_push, %dist_pull): every tensor inside
+them moved to one device, wherever it sits (dicts, lists, namedtuples, dataclasses, attributes of
+any picklable object)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
+import os
 import pickle
 import types
 from typing import Any
@@ -99,22 +101,15 @@ def cell_classes(value: Any) -> set[str]:
     """The classes and functions defined in a cell (module `__main__`) that a pickle of `value`
     would name: another process rebuilds them only if its own `__main__` has them too."""
     found: set[str] = set()
-    try:
-        _CellClassFinder(_Discard(), found).dump(value)
-    except Exception:  # noqa: BLE001 - unpicklable: ipyparallel's serializer reports that itself
-        pass
+    with open(os.devnull, "wb") as sink, contextlib.suppress(Exception):
+        _CellClassFinder(sink, found).dump(value)  # unpicklable: ipyparallel reports that itself
     return found
-
-
-class _Discard:
-    def write(self, data: bytes) -> int:
-        return len(data)
 
 
 class _CellClassFinder(pickle.Pickler):
     """Pickles nothing but the structure (tensors are skipped) and notes `__main__` names."""
 
-    def __init__(self, file: _Discard, found: set[str]) -> None:
+    def __init__(self, file: Any, found: set[str]) -> None:
         super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
         self.found = found
 
@@ -136,3 +131,34 @@ def _parameter(data: Any, requires_grad: bool) -> Any:
     import torch
 
     return torch.nn.Parameter(data, requires_grad=requires_grad)
+
+
+def receive_values(values: dict[str, Any]) -> list[str]:
+    """Push: bind names in the rank's namespace, tensors moved to the rank's device."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    device = namespace.get("device")
+    namespace.update({name: value if device is None else move_tensors(value, device)
+                      for name, value in values.items()})
+    return sorted(values)
+
+
+def send_values(names: list[str], loadable: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+    """Pull: the named values, tensors moved to CPU. `loadable`: the classes the notebook's
+    `__main__` has; a value naming another cell-defined class is refused here, since the notebook
+    could not unpickle it (ipyparallel would drop the reply, not report it)."""
+    from IPython import get_ipython
+
+    namespace = get_ipython().user_ns
+    missing = [name for name in names if name not in namespace]
+    if missing:
+        raise NameError(f"not defined on this rank: {', '.join(missing)}")
+    values = {name: move_tensors(namespace[name], "cpu") for name in names}
+    unknown = sorted(cell_classes(values) - set(loadable))
+    if unknown:
+        raise TypeError(
+            f"the value holds {', '.join(unknown)}, defined in a cell on the ranks, which the "
+            "notebook does not define: it could not rebuild the value. Run the same definition "
+            "in a plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
+    return values

@@ -54,7 +54,7 @@ def bench_overhead(steps: int = 40, rounds: int = 10, width: int = 1024, interva
 
     from nbdist.worker import metrics
     from nbdist.worker.agent import LOG_SPACING, TelemetryAgent
-    from nbdist.worker.memory_sampler import install_memory_sampler
+    from nbdist.worker.rank_memory import install_memory_sampler
 
     torch.set_num_threads(1)
     step = _training_step_factory(width)
@@ -120,7 +120,7 @@ def _tick_cost(ticks: int = 200, logs_per_tick: int = 50, only: tuple[str, ...] 
 
     from nbdist.worker import metrics
     from nbdist.worker.agent import TelemetryAgent
-    from nbdist.worker.memory_sampler import install_memory_sampler
+    from nbdist.worker.rank_memory import install_memory_sampler
 
     agent = TelemetryAgent(0, 0.5, lambda body: pickle.dumps(body))
     install_memory_sampler(agent, torch.device("cpu"))
@@ -157,7 +157,7 @@ def _log_call_cost(calls: int = 50_000) -> float:
 def _sample_cost(calls: int = 500) -> float:
     import torch
 
-    from nbdist.worker.memory_sampler import MemorySampler
+    from nbdist.worker.rank_memory import MemorySampler
 
     sampler = MemorySampler(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     sampler.sample(cell=1)

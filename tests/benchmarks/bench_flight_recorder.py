@@ -67,7 +67,7 @@ def measure(steps: int = 60, calls: int = 300, rounds: int = 15, width: int = 25
     sys.path.insert(0, str(ROOT))
     from nbdist import Cluster
     from nbdist.config import NbdistConfig
-    from nbdist.worker.collective_checks import ddp_survives
+    from nbdist.worker.process_group import ddp_survives
 
     # torch 2.13 crashes building a DDP model under DETAIL: that arm then runs the burst only
     ddp_under_detail = ddp_survives()

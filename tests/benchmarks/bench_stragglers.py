@@ -31,7 +31,7 @@ SECTION = "## Straggler view cost (issue 15): DDP loop, step timing on ÷ off"
 SETUP = """
 import json, time, torch, nbdist
 from torch.nn.parallel import DistributedDataParallel as _DDP
-from nbdist.worker.step_timing import TIMING as _TIMING
+from nbdist.worker.metrics import TIMING as _TIMING
 
 def _build(enabled, width={width}, depth=4, batch=64):
     _TIMING.enabled = enabled  # read when DDP is built (hook or not) and at every record
@@ -134,8 +134,7 @@ def cost_model(params: int = 400, rounds: int = 15) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from nbdist.worker import ddp_timing
-    from nbdist.worker.step_timing import StepTiming
+    from nbdist.worker.metrics import StepTiming
 
     torch.set_num_threads(1)
     timing = StepTiming()
@@ -147,7 +146,7 @@ def cost_model(params: int = 400, rounds: int = 15) -> dict[str, float]:
             return torch.nn.Sequential(*[torch.nn.Linear(4, 4) for _ in range(params // 2)])
 
         plain, hooked = layers(), layers()
-        ddp_timing.watch(types.SimpleNamespace(module=hooked, process_group=None), timing)
+        timing.watch(types.SimpleNamespace(module=hooked, process_group=None))
         data = torch.randn(2, 4)
 
         def backward(model: Any, n: int = 20) -> float:
@@ -162,7 +161,7 @@ def cost_model(params: int = 400, rounds: int = 15) -> dict[str, float]:
         optimizer = torch.optim.SGD(plain.parameters(), lr=0.0)
         started = time.process_time()
         for _ in range(2000):
-            timing.ddp_ready(None, time.perf_counter())
+            timing._ddp_ready = (None, time.perf_counter())
             timing.on_optimizer_step_begin(optimizer)
             timing.on_optimizer_step(optimizer)
         step_us = 1e6 * (time.process_time() - started) / 2000

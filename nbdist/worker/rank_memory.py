@@ -1,0 +1,279 @@
+"""A rank's memory: samples for the dashboard (the telemetry agent's ``"memory"`` provider: the
+CUDA allocator and NVML on a GPU, heap, RSS and its peak on the CPU), and the `--memory-limit`
+budget, applied inside the rank after start-up so that the notebook, the controller and the
+engine's nanny stay unlimited (on the CPU the soft RLIMIT_DATA: docs/FAULTS.md says why)."""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+import os
+import resource
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from nbdist.worker.agent import TelemetryAgent
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd",
+        "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+@functools.cache
+def libc() -> Any:
+    """The C library, loaded once (find_library runs ldconfig); OSError where there is none."""
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+
+
+def read_status(*names: str) -> dict[str, int]:
+    """These fields of /proc/self/status (VmRSS, VmHWM, VmData...) in bytes, from one read."""
+    prefixes = tuple(f"{name}:".encode() for name in names)
+    fields: dict[str, int] = {}
+    with open("/proc/self/status", "rb") as status:
+        for line in status:
+            if line.startswith(prefixes):
+                key, value = line.split(b":", 1)
+                fields[key.decode()] = int(value.split()[0]) * 1024  # the file says kB
+    return fields
+
+
+def _host_memory_total() -> int:
+    """Physical RAM, or the cgroup limit when the container is given less."""
+    import psutil
+
+    total = int(psutil.virtual_memory().total)
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            with open(path) as limit_file:
+                text = limit_file.read().strip()
+        except OSError:
+            continue
+        return int(text) if text.isdigit() and 0 < int(text) < total else total
+    return total
+
+
+class MemorySampler:
+    """One rank's memory; ``sample()`` returns byte counts under the same keys for both device
+    kinds (the dashboard draws one kind of bar): ``allocated`` (CUDA tensors / CPU heap in use),
+    ``reserved`` (CUDA caching allocator / RSS), ``peak`` (this cell's), ``capacity`` (device
+    total / RAM or cgroup limit), and ``kind``, ``device`` and a few extras per kind."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = device
+        self.kind = "cuda" if getattr(device, "type", str(device)).startswith("cuda") else "cpu"
+        self._lock = threading.Lock()
+        self._cell = -1
+        self._capacity: int | None = None
+        self._mallinfo2 = _load_mallinfo2() if self.kind == "cpu" else None
+        self._can_clear_refs = True
+        self._sampled_peak = 0
+        self._torch_peak_at_start = 0
+        self._device_extras: dict[str, Any] = {}
+        self._nvml: Any = None
+
+    def sample(self, cell: int | None = None) -> dict[str, Any]:
+        """One sample. On the main thread (a cell's start and end) a GPU sample is the
+        allocator's counters only: NVML is left to the telemetry thread."""
+        with self._lock:  # the agent may collect from the main thread and its own at once
+            new_cell = cell is not None and cell != self._cell
+            if new_cell:
+                self._cell = cell
+            if self.kind == "cuda":
+                light = threading.current_thread() is threading.main_thread()
+                return self._sample_cuda(new_cell, light)
+            if new_cell:
+                self._reset_cpu_peak()
+            return self._sample_cpu()
+
+    def _reset_cpu_peak(self) -> None:
+        self._sampled_peak = 0
+        if self._can_clear_refs:
+            try:
+                # "5" resets VmHWM to the current RSS (Linux >= 4.0); no other side effect
+                with open("/proc/self/clear_refs", "w") as clear_refs:
+                    clear_refs.write("5")
+            except OSError:
+                self._can_clear_refs = False
+
+    def _sample_cpu(self) -> dict[str, Any]:
+        status = read_status("VmRSS", "VmHWM")
+        rss = status.get("VmRSS", 0)
+        if self._mallinfo2 is not None:
+            info = self._mallinfo2()
+            heap = int(info.uordblks + info.hblkhd)  # small-block arenas + mmapped big blocks
+            heap_source = "mallinfo2"
+        else:
+            heap, heap_source = rss, "rss"
+        # without clear_refs VmHWM is the process-lifetime peak: our own samples then; with it,
+        # never less than a sample we saw (the kernel's counters lag a bit)
+        self._sampled_peak = max(self._sampled_peak, rss)
+        peak = status.get("VmHWM", 0) if self._can_clear_refs else 0
+        if self._capacity is None:
+            self._capacity = _host_memory_total()
+        return {"kind": "cpu", "device": "cpu", "allocated": heap, "reserved": rss,
+                "peak": max(peak, self._sampled_peak), "capacity": self._capacity, "rss": rss,
+                "heap_source": heap_source}
+
+    def _sample_cuda(self, cell_start: bool, light: bool) -> dict[str, Any]:
+        import torch
+
+        device = self.device
+        if self._capacity is None:
+            self._capacity = int(torch.cuda.get_device_properties(device).total_memory)
+        stats = torch.cuda.memory_stats(device)
+        allocated = int(stats.get("allocated_bytes.all.current", 0))
+        torch_peak = int(stats.get("allocated_bytes.all.peak", 0))
+        if cell_start:
+            # the cell's peak: what is allocated now, what the samples see, and torch's own peak
+            # once the cell pushes it past where it stood when the cell began
+            self._sampled_peak, self._torch_peak_at_start = allocated, torch_peak
+        self._sampled_peak = max(self._sampled_peak, allocated)
+        peak = torch_peak if torch_peak > self._torch_peak_at_start else self._sampled_peak
+        if not light:
+            self._device_extras = self._nvml_sample()
+        return {"kind": "cuda", "device": str(device), "allocated": allocated,
+                "reserved": int(stats.get("reserved_bytes.all.current", 0)), "peak": peak,
+                "capacity": self._capacity, **self._device_extras}
+
+    def _nvml_sample(self) -> dict[str, Any]:
+        """The GPU's utilisation and what NVML sees used on it (every process, CUDA contexts
+        included); nothing without pynvml."""
+        if self._nvml is None:
+            self._nvml = _open_nvml(self.device)
+        nvml, handle = self._nvml
+        if handle is None:
+            return {}
+        try:
+            return {"util": int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
+                    "nvml_used": int(nvml.nvmlDeviceGetMemoryInfo(handle).used)}
+        except Exception:
+            return {}
+
+
+def _load_mallinfo2() -> Any:
+    # glibc >= 2.33 only; musl lacks it and falls back to RSS
+    try:
+        fn = libc().mallinfo2
+    except (OSError, AttributeError):
+        return None
+    fn.restype = _Mallinfo2
+    fn.argtypes = []
+    return fn
+
+
+def nvml_uuids(torch_uuid: str) -> list[str]:
+    """The names NVML may know this device by: torch prints a UUID bare, NVML prefixes a whole
+    GPU's with "GPU-" and a MIG instance's with "MIG-"."""
+    bare = torch_uuid.strip()
+    if bare.startswith(("GPU-", "MIG-")):
+        return [bare]
+    return [f"GPU-{bare}", f"MIG-{bare}"] if bare else []
+
+
+def physical_index(index: int, visible: str | None) -> int | None:
+    """NVML's index of torch's device `index` under CUDA_VISIBLE_DEVICES `visible`; None when
+    the list names devices by UUID (or MIG instance): no index can be trusted then."""
+    ids = [part.strip() for part in (visible or "").split(",") if part.strip()]
+    if not ids:
+        return index
+    if index >= len(ids) or not all(part.isdigit() for part in ids):
+        return None
+    return int(ids[index])
+
+
+def _open_nvml(device: Any) -> tuple[Any, Any]:
+    """(pynvml, the handle of this rank's device), or (None, None)."""
+    try:
+        import pynvml  # provided by nvidia-ml-py
+        import torch
+
+        pynvml.nvmlInit()
+        index = torch.device(device).index or 0
+        # torch indexes are relative to CUDA_VISIBLE_DEVICES; NVML's are physical: match by UUID
+        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+        for name in nvml_uuids(uuid):
+            for form in (name.encode(), name):  # older bindings want bytes
+                with contextlib.suppress(Exception):
+                    return pynvml, pynvml.nvmlDeviceGetHandleByUUID(form)
+        physical = physical_index(index, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        if physical is None:
+            return None, None  # better no NVML figures than another GPU's
+        return pynvml, pynvml.nvmlDeviceGetHandleByIndex(physical)
+    except Exception:  # no pynvml, no driver
+        return None, None
+
+
+def install_memory_sampler(agent: TelemetryAgent, device: Any = None) -> MemorySampler:
+    """Register the ``"memory"`` provider on this rank's agent."""
+    sampler = MemorySampler(device)
+    agent.register("memory", lambda: sampler.sample(agent.cell_id))
+    return sampler
+
+
+_M_MMAP_THRESHOLD = -3  # glibc's malloc.h
+
+STATE: dict[str, Any] = {}
+"""What `apply_memory_limit` did in this process: mechanism, limit, baseline..."""
+
+
+def apply_memory_limit(limit: int | None, device: Any) -> None:
+    """Cap what this rank may allocate from now on at `limit` bytes (None: unlimited)."""
+    if limit is None:
+        return
+    STATE.clear()
+    if getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        total = torch.cuda.get_device_properties(device).total_memory
+        fraction = min(1.0, limit / total)
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, device=device)
+        return
+    try:
+        # glibc: every block of 128 KiB or more its own mmap, unmapped when freed; by default the
+        # threshold rises after the first large free and freed tensors stay counted in the heap
+        libc().mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    except (OSError, AttributeError):  # not glibc
+        pass
+    baseline = read_status("VmData")["VmData"]  # private writable mappings: what the limit counts
+    _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    soft = baseline + limit if hard == resource.RLIM_INFINITY else min(baseline + limit, hard)
+    # the soft limit only: the rank (or nbdist) may lift it again; a budget, not a sandbox
+    resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
+    STATE.update(mechanism="RLIMIT_DATA", limit=limit, baseline=baseline, soft_limit=soft)
+
+
+def memory_budget() -> dict[str, Any]:
+    """This rank's budget now: the limit, and how much of it is in use (CPU: VmData beyond the
+    start-up baseline; GPU: what the cap counts, torch.cuda.memory_reserved, and allocated)."""
+    if not STATE:
+        return {"limit": None, "in_use": None}
+    if STATE["mechanism"] == "RLIMIT_DATA":
+        in_use = read_status("VmData")["VmData"] - STATE["baseline"]
+        return {"limit": STATE["limit"], "in_use": in_use,
+                "mechanism": STATE["mechanism"]}
+    import torch
+
+    device = STATE["device"]
+    return {"limit": STATE["limit"], "in_use": torch.cuda.memory_reserved(device),
+            "allocated": torch.cuda.memory_allocated(device), "mechanism": STATE["mechanism"]}
+
+
+@contextlib.contextmanager
+def lifted() -> Iterator[None]:
+    """The CPU budget lifted while nbdist itself works inside the rank: formatting the very error
+    that hit the limit needs memory too."""
+    if STATE.get("mechanism") != "RLIMIT_DATA":
+        yield
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
+    resource.setrlimit(resource.RLIMIT_DATA, (hard, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
