@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from nbdist.cells.flight_verdict import mismatches
-from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
 from nbdist.text import render_table
 from nbdist.worker import bootstrap
@@ -26,15 +25,8 @@ TRACE_PREFIX = "nbdist_fr_rank"
 def recent_collectives(cluster: ClusterCore, limit: int = 8) -> dict[int, list[EnteredCollective]]:
     """Rank -> its last `limit` collectives. A rank busy in a cell cannot answer: its latest
     telemetry reading (per group, the collective it waits in) stands in."""
-    asyncs = {}
-    for process in cluster.ranks:
-        if process.state == "alive":
-            try:
-                asyncs[process.spec.rank] = cluster.view(process.spec.rank).apply_async(
-                    bootstrap.recent_collectives, limit)
-            except NbdistError:
-                continue
-    answers = gather(asyncs, cluster.config.faults.cell_report_timeout)
+    answers = cluster.call(bootstrap.recent_collectives, limit,
+                           timeout=cluster.config.faults.cell_report_timeout)
     found: dict[int, list[EnteredCollective]] = {}
     for process in cluster.ranks:
         rank = process.spec.rank
@@ -86,10 +78,9 @@ def save_trace(cluster: ClusterCore, directory: str | os.PathLike[str],
     """Write every alive rank's trace to `directory` (created owner-only); returns the files."""
     folder = Path(directory)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-    asyncs = {p.spec.rank: cluster.view(p.spec.rank).apply_async(bootstrap.collectives_trace,
-                                                                 stacks)
-              for p in cluster.ranks if p.state == "alive"}
-    answers = gather(asyncs, cluster.config.faults.cell_report_timeout + (30.0 if stacks else 0.0))
+    alive = [p.spec.rank for p in cluster.ranks if p.state == "alive"]
+    timeout = cluster.config.faults.cell_report_timeout + (30.0 if stacks else 0.0)
+    answers = cluster.call(bootstrap.collectives_trace, stacks, ranks=alive, timeout=timeout)
     if answers.failures:
         listed = "; ".join(f"rank {r}: {why}" for r, why in sorted(answers.failures.items()))
         raise NbdistError(f"could not read the flight recorder of every rank: {listed}")

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from nbdist.cluster.gather import gather
 from nbdist.cluster.ranks import format_ranks
 from nbdist.errors import NbdistError
 from nbdist.text import render_table
@@ -135,13 +134,13 @@ def diff_ranks(cluster: Any, expr: str, ranks: list[int] | None = None, full: bo
                fetch_limit: int = FETCH_LIMIT) -> DiffReport:
     """`Cluster.diff`: evaluate `expr` on each rank, compare fingerprints, fetch the first few
     differing tensors from the reference rank and the ranks that differ."""
-    views = {r: cluster.view(r) for r in cluster.targets(ranks)}
-    if full and len(views) != cluster.world_size:
+    targets = cluster.targets(ranks)
+    if full and len(targets) != cluster.world_size:
         raise NbdistError("%dist_diff --full gathers sharded tensors, a collective: it needs "
                           "every rank (drop --ranks)")
     timeout = cluster.config.start.bootstrap_timeout
-    gathered = gather({r: v.apply_async(diffing.fingerprint_expression, expr, full)
-                       for r, v in views.items()}, timeout)
+    gathered = cluster.call(diffing.fingerprint_expression, expr, full, ranks=targets,
+                            timeout=timeout)
     if gathered.failures:
         rank = min(gathered.failures)
         raise NbdistError(f"%dist_diff {expr}: rank {rank}: {gathered.failures[rank]}")
@@ -152,7 +151,7 @@ def diff_ranks(cluster: Any, expr: str, ranks: list[int] | None = None, full: bo
     prints = {r: fp["entries"] for r, fp in results.items()}
     diffs = compare(prints)
     wanted = [d for d in diffs if measurable(d, prints) and _small(d, prints)][:fetch_limit]
-    _measure_fetched(views, wanted, timeout)
+    _measure_fetched(cluster, wanted, timeout)
     notes = sorted({note for fp in results.values() for note in fp["notes"]})
     skipped = [d.name for d in diffs if measurable(d, prints) and not _small(d, prints)]
     if skipped:
@@ -174,16 +173,17 @@ def _small(diff: EntryDiff, prints: Mapping[int, Mapping[str, Any]]) -> bool:
     return numel * 8 <= FETCH_MAX_BYTES
 
 
-def _measure_fetched(views: Mapping[int, Any], wanted: list[EntryDiff], timeout: float) -> None:
+def _measure_fetched(cluster: Any, wanted: list[EntryDiff], timeout: float) -> None:
     by_rank: dict[int, list[str]] = {}
     for diff in wanted:
         for rank in (diff.reference[0], *diff.differing):
             by_rank.setdefault(rank, []).append(diff.name)
-    gathered = gather({r: views[r].apply_async(diffing.fetch, names)
-                       for r, names in by_rank.items()}, timeout)
+    results: dict[int, Any] = {}
+    for rank, names in by_rank.items():  # each rank its own names: one call per rank
+        results.update(cluster.call(diffing.fetch, names, ranks=[rank], timeout=timeout).results)
     for diff in wanted:
-        ref = gathered.results.get(diff.reference[0], {}).get(diff.name)
-        others = [gathered.results.get(r, {}).get(diff.name) for r in diff.differing]
+        ref = results.get(diff.reference[0], {}).get(diff.name)
+        others = [results.get(r, {}).get(diff.name) for r in diff.differing]
         if ref is not None and all(o is not None for o in others):
             diff.max_abs = max(_max_abs(ref, other) for other in others)
 

@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.cells.result import CellResult
-from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
 from nbdist.worker import post_mortem
 
@@ -33,9 +32,8 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
     """Run a post-mortem session on `rank` until a quit command (q, quit, c, exit) or the end of
     input; returns how many commands ran there. The rank, its namespace and the process group
     are left as they were."""
-    view = cluster.view(rank)
     timeout = cluster.config.start.bootstrap_timeout
-    opened = _call(view, rank, timeout, post_mortem.start)
+    opened = _call(cluster, rank, timeout, post_mortem.start)
     if not opened["ok"]:
         show(f"nbdist: rank {rank}: {opened['text']}")
         return 0
@@ -49,7 +47,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
                 line = ask(prompt)
             except (EOFError, KeyboardInterrupt):
                 line = "q"
-            reply = _call(view, rank, timeout, post_mortem.command, line)
+            reply = _call(cluster, rank, timeout, post_mortem.command, line)
             if reply["text"]:
                 show(reply["text"].rstrip("\n"))
             if reply["done"]:
@@ -57,11 +55,11 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
             count += 1
     finally:
         # a failed ask (or an error here) must not leave the rank holding the session's frames
-        _call(view, rank, timeout, post_mortem.stop)
+        _call(cluster, rank, timeout, post_mortem.stop)
 
 
-def _call(view: Any, rank: int, timeout: float, fn: Callable[..., Any], *args: Any) -> Any:
-    gathered = gather({rank: view.apply_async(fn, *args)}, timeout)
+def _call(cluster: Any, rank: int, timeout: float, fn: Callable[..., Any], *args: Any) -> Any:
+    gathered = cluster.call(fn, *args, ranks=[rank], timeout=timeout)
     if gathered.failures:
         raise NbdistError(f"%dist_debug: rank {rank}: {gathered.failures[rank]}")
     return gathered.results[rank]

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING, Any
 from nbdist.cells.execute import run_cell
 from nbdist.cells.output import OutputSink
 from nbdist.cells.result import CellResult
-from nbdist.cluster.gather import gather
 from nbdist.errors import NbdistError
 from nbdist.profiler import ProfileReport, build_report
 from nbdist.worker import profiling
@@ -46,8 +45,7 @@ def run_profiled(cluster: ClusterCore, code: str, ranks: list[int] | None,
     report's `missing`; the cell's own errors are in the result, as without --profile."""
     trace_path = check_trace_path(path)
     targets = cluster.targets(ranks)
-    started = gather({r: cluster.view(r).apply_async(profiling.start) for r in targets},
-                     CONTROL_TIMEOUT)
+    started = cluster.call(profiling.start, ranks=targets, timeout=CONTROL_TIMEOUT)
     if started.failures:
         _collect(cluster, list(started.results))
         rank = min(started.failures)
@@ -66,19 +64,8 @@ def run_profiled(cluster: ClusterCore, code: str, ranks: list[int] | None,
 
 def _collect(cluster: ClusterCore, targets: list[int]) -> tuple[list[dict], dict[int, str]]:
     """Stop the profilers on the live targets; their captures, and why any rank has none."""
-    missing: dict[int, str] = {}
-    asyncs = {}
-    cluster.poll_dead()
-    for rank in targets:
-        if cluster.ranks[rank].state != "alive":  # it died during the cell: nothing to wait for
-            missing[rank] = f"rank {rank} is dead ({cluster.ranks[rank].exit_detail})"
-            continue
-        try:
-            asyncs[rank] = cluster.view(rank).apply_async(profiling.stop)
-        except NbdistError as exc:
-            missing[rank] = str(exc)
-    gathered = gather(asyncs, CONTROL_TIMEOUT)
-    missing.update(gathered.failures)
+    gathered = cluster.call(profiling.stop, ranks=targets, timeout=CONTROL_TIMEOUT)
+    missing = dict(gathered.failures)  # a rank that died during the cell is not waited for
     captures = _captures(gathered.results, missing, "no profiler was running there")
     return captures, missing
 
@@ -99,8 +86,7 @@ def collect_last_profile(cluster: ClusterCore, ranks: list[int] | None,
     """Merge the captures the ranks' last `with nbdist.profile():` blocks left behind."""
     trace_path = check_trace_path(path)
     targets = cluster.targets(ranks)
-    gathered = gather({r: cluster.view(r).apply_async(profiling.last_capture) for r in targets},
-                      CONTROL_TIMEOUT)
+    gathered = cluster.call(profiling.last_capture, ranks=targets, timeout=CONTROL_TIMEOUT)
     missing = dict(gathered.failures)
     captures = _captures(gathered.results, missing,
                          "nothing profiled there yet (use `with nbdist.profile():` in a cell)")

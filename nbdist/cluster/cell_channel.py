@@ -23,6 +23,8 @@ from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.gather import Gathered
 from nbdist.cluster.ranks import RankProcess
 from nbdist.errors import ClusterStartError, Interrupted, NbdistError
+from nbdist.text import tail
+from nbdist.worker import values as rank_values
 from nbdist.worker.cell_channel import (
     CALL_REQUEST,
     CELL_REPLY,
@@ -131,12 +133,15 @@ class NotebookChannel:
         self._dealers[rank] = (endpoint, dealer)
         return dealer
 
-    def call(self, endpoints: dict[int, ChannelEndpoint], name: str, args: tuple[Any, ...],
-             timeout: float) -> Gathered[int]:
-        """Call one of the ranks' channel functions (`nbdist.worker.cell_channel.CALLS`) on
-        each rank, results under one deadline; never raises for a rank's failure or silence."""
+    def call(self, ranks: Sequence[RankProcess], function: Callable[..., Any],
+             args: tuple[Any, ...], timeout: float) -> Gathered[int]:
+        """`function(*args)` on each rank between cells (a function of an importable module:
+        it travels by name), results under one deadline; never raises for a rank's failure or
+        silence. Not while a cell runs: its messages would be taken for late output."""
+        endpoints = _endpoints(ranks)
         token = self.new_token()
-        buffers = pack(args)
+        buffers = pack((function, args))
+        name = f"{function.__module__}.{function.__qualname__}"
         for rank, endpoint in endpoints.items():
             self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
         self.hold()
@@ -155,7 +160,9 @@ class NotebookChannel:
                 waiting.discard(message.rank)
                 content = message.msg["content"]
                 if content.get("status") != "ok":
-                    out.failures[message.rank] = f"{content.get('ename')}: {content.get('evalue')}"
+                    text = f"{content.get('ename')}: {content.get('evalue')}"
+                    tb = content.get("traceback")
+                    out.failures[message.rank] = f"{text}\n{tail(tb, 12)}" if tb else text
                     continue
                 try:
                     out.results[message.rank] = unpack(message.msg["buffers"])
@@ -168,7 +175,7 @@ class NotebookChannel:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         values = check_pushed_values(values)
         try:
-            gathered = self.call(_endpoints(ranks), "push", (values,), timeout)
+            gathered = self.call(ranks, rank_values.receive_values, (values,), timeout)
         except KeyboardInterrupt:
             raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may "
                               "have the new values and others not; push again before using "
@@ -184,7 +191,7 @@ class NotebookChannel:
         main = vars(sys.modules["__main__"]) if "__main__" in sys.modules else {}
         classes = sorted(key for key, value in main.items() if isinstance(value, type))
         try:
-            gathered = self.call(_endpoints(ranks), "pull", ([name], classes), timeout)
+            gathered = self.call(ranks, rank_values.send_values, ([name], classes), timeout)
         except KeyboardInterrupt:
             raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
                               "ranks still hold it") from None

@@ -12,13 +12,13 @@ import contextlib
 import dataclasses
 import time
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbdist.cluster import rank_setup
 from nbdist.cluster.arguments import check_cluster_arguments
 from nbdist.cluster.cell_channel import NotebookChannel, open_channel
-from nbdist.cluster.gather import gather
+from nbdist.cluster.gather import Gathered, gather
 from nbdist.cluster.launch_modes import AttachedMode, LaunchMode, Progress, launch_mode
 from nbdist.cluster.liveness import Liveness
 from nbdist.cluster.processes import OwnedProcesses, Pid
@@ -265,6 +265,20 @@ class ClusterCore:
         """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
         return self.channel().pull(targets, name, self.config.start.bootstrap_timeout)
+
+    def call(self, function: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
+             timeout: float | None = None) -> Gathered[int]:
+        """`function(*args)` on the ranks between cells, over the cell channel: each rank's result,
+        or why it has none (it raised, is dead, did not answer in time); never raises for one."""
+        self._require_running()
+        self.poll_dead()
+        wanted = list(range(self.world_size) if ranks is None else ranks)
+        alive = [self.ranks[r] for r in wanted if self.ranks[r].state == "alive"]
+        gathered = self.channel().call(alive, function, args,
+                                       timeout or self.config.start.bootstrap_timeout)
+        gathered.failures.update({r: f"rank {r} is dead ({self.ranks[r].exit_detail})"
+                                  for r in wanted if self.ranks[r].state != "alive"})
+        return gathered
 
     def restart(self, progress: Progress | None = None) -> ClusterCore:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a

@@ -22,11 +22,10 @@ from nbdist.worker import (
     profiling,
     release,
     tracebacks,
-    values,
 )
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.cell_channel import CALLS, open_channel
+from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
 from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
@@ -313,9 +312,6 @@ def collectives_trace(stacks: bool) -> bytes:
     """This rank's flight-recorder trace, as torch's analyser reads it."""
     torch_support.require("flight-recorder")
     return flight_recorder.analyser_trace(stacks)
-
-
-CALLS.update(push=values.receive_values, pull=values.send_values)  # over the cell channel
 
 
 def shutdown_rank() -> None:

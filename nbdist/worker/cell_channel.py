@@ -9,7 +9,8 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,6 @@ PDB_ANSWER = "nbdist_pdb_answer"
 COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
 NO_CELL = b""  # the token of a message sent while no cell runs (a widget's)
 
-CALLS: dict[str, Callable[..., Any]] = {}
 """The functions a call on the channel may name (push, pull: `nbdist.worker.bootstrap`)."""
 
 ANSWER_POLL_MS = 1000  # one wait for a pdb answer (a SIGINT ends it)
@@ -163,14 +163,17 @@ class CellServer:
         self._finish(reply)
 
     def _call(self, request: dict[str, Any]) -> None:
-        """A call between cells (push, pull): its result or error back, under its token."""
+        """A call between cells (an nbdist function and its arguments, signed like a cell): its
+        result or error back, under its token."""
         content = request["content"]
         buffers: list[Any] = []
         try:
-            buffers = pack(CALLS[str(content["name"])](*unpack(request["buffers"])))
+            function, args = unpack(request["buffers"])
+            buffers = pack(function(*args))
             reply: dict[str, Any] = {"status": "ok"}
         except Exception as exc:
-            reply = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc)}
+            reply = {"status": "error", "ename": type(exc).__name__, "evalue": str(exc),
+                     "traceback": traceback.format_exc(limit=-6)}
         idents = [str(content["token"]).encode(), str(self.rank).encode()]
         self.session.send(self, CALL_REPLY, content=reply, buffers=buffers, ident=idents)
 
