@@ -75,9 +75,17 @@ class Cluster(ClusterCore):
         """The last profiled cell's merged profile (`run(..., profile=...)`)."""
 
     @classmethod
-    def attach(cls, profile: str | None = None, cluster_id: str = "", *, profile_dir: str | None = None,
-               url_file: str | None = None, n: int | None = None, progress: Progress | None = None,
-               **kwargs: Any) -> Cluster:
+    def attach(
+        cls,
+        profile: str | None = None,
+        cluster_id: str = "",
+        *,
+        profile_dir: str | None = None,
+        url_file: str | None = None,
+        n: int | None = None,
+        progress: Progress | None = None,
+        **kwargs: Any,
+    ) -> Cluster:
         """Use the engines of a cluster the user already started (`ipcluster start`, a Slurm
         job) as ranks. nbdist starts and kills nothing there: stop() only leaves the process
         group; restart() waits for the engines to be back (restart them yourself)."""

@@ -24,9 +24,9 @@ class ClusterStartError(NbdistError):
 class DistributedCellError(NbdistError):
     """A distributed cell failed on one or more ranks.
 
-    ``result`` is the full :class:`nbdist.cells.result.CellResult` (per-rank outputs, errors, report).
-    ``str()`` is plain text, fit for a log; ``rendered`` (default: the message) is what a notebook
-    shows, where the ranks' tracebacks keep IPython's colours.
+    ``result`` is the full :class:`nbdist.cells.result.CellResult` (per-rank outputs, errors,
+    report). ``str()`` is plain text, fit for a log; ``rendered`` (default: the message) is what
+    a notebook shows, where the ranks' tracebacks keep IPython's colours.
     """
 
     def __init__(self, message: str, result: object, rendered: str | None = None) -> None:

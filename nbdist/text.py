@@ -36,7 +36,8 @@ def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
     widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
 
     def line(values: Sequence[str]) -> str:
-        padded = (v.rjust(w) if align == "right" else v.ljust(w) for v, w in zip(values, widths, strict=True))
+        pairs = zip(values, widths, strict=True)
+        padded = (v.rjust(w) if align == "right" else v.ljust(w) for v, w in pairs)
         return "  ".join(padded).rstrip()
 
     out = [line(cells[0])]

@@ -40,9 +40,8 @@ FEATURES: dict[str, Feature] = {
         "a libuv TCPStore on a socket nbdist bound", (2, 8),
         r"NotImplementedError: The libuv TCPStore backend does not support initialization",
     ),
-    # _dump_fr_trace exists on gloo from 2.8, but on torch 2.11 (an H200 host, CPU ranks,
-    # FSDP2 under --memory-limit) read from the telemetry thread it killed both ranks with
-    # SIGSEGV (2026-11-26, .ci/gpu-check): nbdist reads it only where it was seen to hold
+    # gloo has _dump_fr_trace from 2.8, but read from the telemetry thread on torch 2.11 it can
+    # end the rank by SIGSEGV (docs/GPU_CHECKS.md): 2.13 is the first version known to hold
     "flight-recorder": Feature(
         "the flight recorder on gloo (_dump_fr_trace)", (2, 13),
         r"AttributeError: .*has no attribute '_dump_fr_trace'",

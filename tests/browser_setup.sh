@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Install what the browser tests (tests/test_dashboard_browser.py, tests/test_profiler_browser.py)
+# Install what the browser tests (-m browser; their shared pieces are in tests/browser.py)
 # need: Debian chromium (apt) and the `browser` extra (jupyterlab, notebook 7, playwright's Python
 # package). No browser download: the test points Playwright at
 # /usr/bin/chromium. Run from the repository root with the venv active:  bash tests/browser_setup.sh

@@ -18,6 +18,8 @@ import torch
 
 from nbdist import Cluster, torch_support
 from nbdist.config import NbdistConfig
+from tests.browser import FRONTENDS, cluster_notebook
+from tests.kernels import KernelSession
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -256,20 +258,31 @@ while time.time() < end:
 
 def _dashboard_notebook(seconds: float, ranks: int = 2) -> nbformat.NotebookNode:
     """Start a cluster, train for ``seconds`` with ``nbdist.log``, stop the cluster."""
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell(f"%load_ext nbdist\n%dist_start -n {ranks}"),
-        nbformat.v4.new_code_cell(_TRAIN_CELL.format(seconds=seconds)),
-        nbformat.v4.new_code_cell("%dist_stop\nprint('NBDIST-STOPPED')"),
-    ]
-    return nb
+    return cluster_notebook(f"-n {ranks}", _TRAIN_CELL.format(seconds=seconds))
 
 
 @pytest.fixture(scope="session")
 def dashboard_notebook() -> Callable[..., nbformat.NotebookNode]:
     """``dashboard_notebook(seconds, ranks=2)``: a notebook that trains with the live dashboard."""
     return _dashboard_notebook
+
+
+# --- the browser tests: each runs in JupyterLab 4 and in Notebook 7 -----------------------------
+
+
+@pytest.fixture(params=FRONTENDS)
+def frontend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def artifacts(tmp_path: Path) -> Path:
+    """Screenshots and logs for a human to look at: under the test's tmp_path (pytest keeps the
+    last three runs' directories), never in the repository."""
+    path = tmp_path / "artifacts"
+    path.mkdir()
+    print(f"browser artifacts: {path}")
+    return path
 
 
 # --- hygiene ------------------------------------------------------------------------------------
@@ -342,46 +355,6 @@ def no_leaked_env_threads_or_process_group() -> Iterator[None]:
 
 
 # --- a real kernel, driven as a person would: cells in, typed answers to input() ----------------
-
-
-class KernelSession:
-    """A real ipykernel (jupyter_client) running cells; `input()` there is answered from the list
-    given to `answer_with`, in order, as a person typing at the prompt would."""
-
-    def __init__(self, cwd: Path) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(cwd))
-        self._answers: Iterator[str] = iter(())
-        self.prompts: list[str] = []
-        self.outputs: list[str] = []
-
-    def answer_with(self, answers: list[str]) -> None:
-        self._answers = iter(answers)
-
-    def run(self, code: str, timeout: float = 240) -> dict:
-        """Execute one cell; its reply's content (status "ok" or "error")."""
-        def on_stdin(msg: dict) -> None:
-            self.prompts.append(msg["content"]["prompt"])
-            self.client.input(next(self._answers))
-
-        def on_output(msg: dict) -> None:
-            if msg["msg_type"] == "stream":
-                self.outputs.append(msg["content"]["text"])
-
-        reply = self.client.execute_interactive(code, allow_stdin=True, stdin_hook=on_stdin,
-                                                output_hook=on_output, timeout=timeout)
-        return reply["content"]
-
-    def text(self) -> str:
-        return "".join(self.outputs)
-
-    def close(self) -> None:
-        try:
-            self.run("%dist_stop", timeout=60)  # a no-op message when no cluster runs
-        finally:
-            self.client.stop_channels()
-            self.manager.shutdown_kernel(now=False)
 
 
 @pytest.fixture

@@ -7,127 +7,34 @@ kernel. Setup: ``bash tests/browser_setup.sh``; run with ``-m browser``.
 from __future__ import annotations
 
 import json
-import os
-import secrets
 import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import time
-import urllib.request
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import nbformat
 import pytest
 
+from tests.browser import (
+    CHROMIUM,
+    CHROMIUM_ARGS,
+    browser_tools,
+    cell_outputs,
+    lab_server,
+    notebook_url,
+    open_saved_notebook,
+    run_all_cells,
+)
+
 pytestmark = pytest.mark.browser
-
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-FRONTENDS = ("lab", "notebook")
-"""`jupyter lab` (JupyterLab 4) and `jupyter notebook` (Notebook 7, built on JupyterLab's parts)."""
-
-_FRONTEND_OPTIONS = {
-    "lab": ("--LabApp.expose_app_in_browser=True", "--LabApp.news_url=",
-            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"),
-    "notebook": ("--JupyterNotebookApp.expose_app_in_browser=True",),
-}
-
-
-def _browser_tools(frontend: str = "lab") -> None:
-    if not os.path.exists(CHROMIUM):
-        pytest.skip("Debian chromium missing: run bash tests/browser_setup.sh")
-    pytest.importorskip("playwright")
-    pytest.importorskip("jupyterlab")
-    if frontend == "notebook":
-        notebook = pytest.importorskip("notebook", reason="install the browser extra (notebook>=7)")
-        if int(notebook.__version__.split(".")[0]) < 7:
-            pytest.skip(f"Notebook {notebook.__version__}: the test needs Notebook 7")
-
-
-@contextmanager
-def _lab_server(root: Path, *options: str, frontend: str = "lab") -> Iterator[str]:
-    """JupyterLab (or Notebook 7) on 127.0.0.1 serving ``root``; yields ``url?token``."""
-    port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ)
-    for name in ("JUPYTER_RUNTIME_DIR", "JUPYTERLAB_SETTINGS_DIR", "JUPYTERLAB_WORKSPACES_DIR"):
-        env[name] = str(root / name.lower())  # never touch the user's Jupyter state
-    log = open(root / "jupyterlab.log", "wb")
-    server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", frontend, "--no-browser", "--allow-root",
-         "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         *_FRONTEND_OPTIONS[frontend], *options],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root,
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.time() + 60
-        while True:
-            try:
-                urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2).read()
-                break
-            except OSError:
-                if time.time() > deadline or server.poll() is not None:
-                    raise RuntimeError(f"jupyter {frontend} did not answer /api/status in 60 s:\n"
-                                       + (root / "jupyterlab.log").read_text()[-3000:]) from None
-                time.sleep(0.25)
-        yield f"{url}?token={token}"
-    finally:
-        server.terminate()  # by PID: it shuts its kernels down, whose watchdogs end the engines
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait(timeout=5)
-        log.close()
-
-
-def open_saved_notebook(page: Any, url: str) -> None:
-    """Open a saved notebook with no kernel: wait for its outputs, dismiss the kernel dialog."""
-    page.goto(url)
-    page.wait_for_function(
-        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-        " && window.jupyterapp.shell.currentWidget.node.querySelector('.jp-OutputArea-output')",
-        timeout=60_000)
-    # the kernel dialog (only "No Kernel" to pick) appears once the session is set up
-    try:
-        page.wait_for_selector(".jp-Dialog .jp-mod-accept", timeout=15_000)
-        page.click(".jp-Dialog .jp-mod-accept")
-    except Exception:
-        pass  # no dialog: nothing to dismiss
-
-
-def _notebook_url(server: str, name: str, frontend: str = "lab") -> str:
-    base, token = server.split("?")
-    if frontend == "notebook":
-        return f"{base}/notebooks/{name}?{token}"
-    return f"{base}/lab/tree/{name}?reset&{token}"  # reset: no workspace reopens other notebooks
-
-
-@pytest.fixture(params=FRONTENDS)
-def frontend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 @pytest.fixture
 def jupyterlab(tmp_path: Path, frontend: str) -> Iterator[tuple[str, Path]]:
-    _browser_tools(frontend)
-    with _lab_server(tmp_path, frontend=frontend) as server:
-        yield _notebook_url(server, "dashboard.ipynb", frontend), tmp_path
+    browser_tools(frontend)
+    with lab_server(tmp_path, frontend=frontend) as server:
+        yield notebook_url(server, "dashboard.ipynb", frontend), tmp_path
 
 
 # DDP on 2 ranks, rank 1 sleeping 0.1 s more per step: the dashboard must name it the straggler
@@ -162,28 +69,6 @@ def _straggler_notebook(dashboard_notebook: Any, seconds: float) -> nbformat.Not
     return nb
 
 
-def _cell_outputs(page: Any, index: int) -> list[str]:
-    """The cell's outputs as drawn (scrolled into view: both frontends window long notebooks)."""
-    page.evaluate("(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node"
-                  ".scrollIntoView()", index)
-    page.wait_for_function(
-        "(i) => window.jupyterapp.shell.currentWidget.content.widgets[i].node"
-        ".querySelector('.jp-OutputArea-output')", arg=index, timeout=10_000)
-    return page.evaluate(
-        "(i) => [...window.jupyterapp.shell.currentWidget.content.widgets[i].node"
-        ".querySelectorAll('.jp-OutputArea-output')].map(o => o.innerText)", index)
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    """Screenshots and logs for a human to look at: under the test's tmp_path (pytest keeps the
-    last three runs' directories), never in the repository."""
-    path = tmp_path / "artifacts"
-    path.mkdir()
-    print(f"browser artifacts: {path}")
-    return path
-
-
 @pytest.mark.timeout(300)
 def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], frontend: str,
                                               dashboard_notebook,
@@ -200,13 +85,7 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], fron
             page.wait_for_function(
                 "() => window.jupyterapp && document.querySelector('.jp-NotebookPanel .jp-Notebook')",
                 timeout=60_000)
-            # wait for the kernel, then run everything as a user would
-            page.wait_for_function(
-                "() => { const w = window.jupyterapp.shell.currentWidget;"
-                " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
-                " && w.sessionContext.session.kernel.status === 'idle'; }", timeout=60_000)
-            # not awaited: the command's promise resolves only when every cell has finished
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            run_all_cells(page, kernel_timeout_ms=60_000)
             page.wait_for_selector(".nbdist-dash", timeout=90_000)
             # watch row 0's latest `wall` (the rank's time.time() at log()) to time log() → DOM (B6)
             page.evaluate("""() => {
@@ -265,7 +144,7 @@ def test_dashboard_updates_live_in_jupyterlab(jupyterlab: tuple[str, Path], fron
             page.wait_for_function(
                 "() => window.jupyterapp.shell.currentWidget.content.widgets[2].model"
                 ".executionCount != null", timeout=60_000)
-            bars = _cell_outputs(page, 2)
+            bars = cell_outputs(page, 2)
             assert len(bars) == 2, bars  # one output per rank, no line per redraw
             for rank in (0, 1):
                 (bar,) = [text for text in bars if f"rank{rank} bar" in text]
@@ -309,7 +188,7 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
                                                                       artifacts: Path) -> None:
     """Executed by nbclient, opened in JupyterLab where no kernel can start: the final SVG shows,
     in an untrusted notebook (as nbclient leaves it) and in a trusted one, with no widget error."""
-    _browser_tools(frontend)
+    browser_tools(frontend)
     from nbclient import NotebookClient
     from nbformat.sign import NotebookNotary
     from playwright.sync_api import sync_playwright
@@ -328,12 +207,12 @@ def test_headless_executed_notebook_shows_its_charts_without_a_kernel(tmp_path: 
     options = ("--KernelSpecManager.allowed_kernelspecs=nbdist-no-kernel",
                f"--NotebookNotary.data_dir={tmp_path / 'notary'}")
     seen = {}
-    with _lab_server(tmp_path, *options, frontend=frontend) as server, sync_playwright() as playwright:
+    with lab_server(tmp_path, *options, frontend=frontend) as server, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             for name in ("untrusted", "trusted"):
                 page = browser.new_page(viewport={"width": 1280, "height": 1100})
-                open_saved_notebook(page, _notebook_url(server, f"{name}.ipynb", frontend))
+                open_saved_notebook(page, notebook_url(server, f"{name}.ipynb", frontend))
                 page.wait_for_function(
                     "() => { const i = window.jupyterapp.shell.currentWidget.node.querySelector("
                     "'img.nbdist-static-img'); return i && i.complete && i.naturalWidth > 0; }",

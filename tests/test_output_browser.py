@@ -14,14 +14,15 @@ from typing import Any
 import nbformat
 import pytest
 
-from tests.test_dashboard_browser import (
+from tests.browser import (
     CHROMIUM,
     CHROMIUM_ARGS,
-    FRONTENDS,
-    _browser_tools,
-    _cell_outputs,
-    _lab_server,
-    _notebook_url,
+    browser_tools,
+    cell_outputs,
+    cluster_notebook,
+    lab_server,
+    notebook_url,
+    run_all_cells,
 )
 
 pytestmark = pytest.mark.browser
@@ -38,35 +39,11 @@ if rank == 6:
 """
 
 
-def _notebook() -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext nbdist\n%dist_start -n 8 --threads 1"),
-                nbformat.v4.new_code_cell(_CELL),
-                nbformat.v4.new_code_cell("%dist_stop\nprint('NBDIST-STOPPED')")]
-    return nb
-
-
-@pytest.fixture(params=FRONTENDS)
-def frontend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    """Screenshots for a person to look at (pytest keeps the last three runs' tmp_path)."""
-    path = tmp_path / "artifacts"
-    path.mkdir()
-    print(f"browser artifacts: {path}")
-    return path
-
-
 @pytest.fixture
 def server(tmp_path: Path, frontend: str) -> Iterator[tuple[str, Path]]:
-    _browser_tools(frontend)
-    with _lab_server(tmp_path, frontend=frontend) as url:
-        yield _notebook_url(url, "ranks.ipynb", frontend), tmp_path
+    browser_tools(frontend)
+    with lab_server(tmp_path, frontend=frontend) as url:
+        yield notebook_url(url, "ranks.ipynb", frontend), tmp_path
 
 
 def _shown(page: Any) -> dict[str, Any]:
@@ -84,18 +61,13 @@ def test_the_filter_switches_ranks_live_and_the_saved_view_lists_errors_first(
     from playwright.sync_api import sync_playwright
 
     url, root = server
-    nbformat.write(_notebook(), root / "ranks.ipynb")
+    nbformat.write(cluster_notebook("-n 8 --threads 1", _CELL), root / "ranks.ipynb")
     with sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
             page.goto(url)
-            page.wait_for_function(
-                "() => { const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;"
-                " return w && w.sessionContext && w.sessionContext.session"
-                " && w.sessionContext.session.kernel"
-                " && w.sessionContext.session.kernel.status === 'idle'; }", timeout=90_000)
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            run_all_cells(page, kernel_timeout_ms=90_000)
             page.wait_for_selector(".nbdist-ranks .nbr-chip", timeout=120_000)
             page.wait_for_function(
                 "() => (document.querySelector('.nbdist-ranks').dataset.states.match(/running/g)"
@@ -135,6 +107,6 @@ def _check_saved(page: Any, frontend: str, artifacts: Path) -> None:
     page.locator(".nbdist-ranks-static details").nth(1).locator("summary").click()
     assert page.locator(".nbdist-ranks-static details").nth(1).evaluate("d => d.open")
     page.locator(".nbdist-ranks-static").screenshot(path=str(artifacts / f"saved_{frontend}.png"))
-    text = "\n".join(_cell_outputs(page, 1))
+    text = "\n".join(cell_outputs(page, 1))
     assert text.count("same on all ranks") == 1 and "[ranks 0-7] same on all ranks" in text, text
     assert "rank 6 raised RuntimeError: rank 6 gave up" in text

@@ -13,9 +13,10 @@ import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.kernels import KernelSession
 
 _LABELLED = re.compile(r"^(?:\x1b\[[0-9;]*m)?\[ranks? ([\d,-]+)\](?:\x1b\[0m)? (.*)$")
 _SETUP = """%load_ext nbdist
@@ -25,17 +26,13 @@ nbdist.config.DEFAULT.output_interval = 1.0
 %dist_start -n {n} --threads 1"""
 
 
-class Kernel:
+class Kernel(KernelSession):
     """A kernel with a cluster; `run` returns a cell's IOPub messages with their arrival times."""
-
-    def __init__(self, client: Any) -> None:
-        self.client = client
 
     def run(self, code: str, ok: bool = True, timeout: float = 240) -> list[tuple[float, dict]]:
         messages: list[tuple[float, dict]] = []
-        reply = self.client.execute_interactive(
-            code, output_hook=lambda m: messages.append((time.time(), m)), timeout=timeout)
-        assert (reply["content"]["status"] == "ok") == ok, _stream(messages)[-3000:]
+        reply = super().run(code, timeout, lambda m: messages.append((time.time(), m)))
+        assert (reply["status"] == "ok") == ok, _stream(messages)[-3000:]
         return messages
 
     def value(self, expr: str) -> str:
@@ -46,19 +43,12 @@ class Kernel:
 
 
 def _kernel(tmp_path: Path, n: int) -> Iterator[Kernel]:
-    from jupyter_client.manager import start_new_kernel
-
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
+    kernel = Kernel(tmp_path)
     try:
-        kernel = Kernel(client)
         kernel.run(_SETUP.format(n=n))
         yield kernel
     finally:
-        try:
-            client.execute_interactive("%dist_stop", timeout=60)
-        finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=False)
+        kernel.close()
 
 
 @pytest.fixture(scope="module")

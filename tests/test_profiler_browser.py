@@ -13,14 +13,15 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from tests.test_dashboard_browser import (
+from tests.browser import (
     CHROMIUM,
     CHROMIUM_ARGS,
-    FRONTENDS,
-    _browser_tools,
-    _lab_server,
-    _notebook_url,
+    browser_tools,
+    cluster_notebook,
+    lab_server,
+    notebook_url,
     open_saved_notebook,
+    run_all_cells,
 )
 
 pytestmark = pytest.mark.browser
@@ -36,31 +37,7 @@ for _ in range(3):
 
 
 def _profile_notebook() -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell("%load_ext nbdist\n%dist_start -n 2"),
-                nbformat.v4.new_code_cell(_PROFILED_CELL),
-                nbformat.v4.new_code_cell("%dist_stop\nprint('NBDIST-STOPPED')")]
-    return nb
-
-
-@pytest.fixture(params=FRONTENDS)
-def frontend(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def artifacts(tmp_path: Path) -> Path:
-    path = tmp_path / "artifacts"
-    path.mkdir()
-    print(f"browser artifacts: {path}")
-    return path
-
-
-_WAIT_KERNEL_IDLE = (
-    "() => { const w = window.jupyterapp.shell.currentWidget;"
-    " return w && w.sessionContext && w.sessionContext.session && w.sessionContext.session.kernel"
-    " && w.sessionContext.session.kernel.status === 'idle'; }")
+    return cluster_notebook("-n 2", _PROFILED_CELL)
 
 _VIEW_STATE = """() => {
     const root = document.querySelector('.nbdist-profile');
@@ -76,20 +53,19 @@ _VIEW_STATE = """() => {
 
 @pytest.mark.timeout(300)
 def test_profile_view_renders_live(tmp_path: Path, frontend: str, artifacts: Path) -> None:
-    _browser_tools(frontend)
+    browser_tools(frontend)
     from playwright.sync_api import sync_playwright
 
     nbformat.write(_profile_notebook(), tmp_path / "profile.ipynb")
-    with _lab_server(tmp_path, frontend=frontend) as server, sync_playwright() as playwright:
+    with lab_server(tmp_path, frontend=frontend) as server, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            page.goto(_notebook_url(server, "profile.ipynb", frontend))
+            page.goto(notebook_url(server, "profile.ipynb", frontend))
             page.wait_for_function(
                 "() => window.jupyterapp && document.querySelector('.jp-NotebookPanel .jp-Notebook')",
                 timeout=60_000)
-            page.wait_for_function(_WAIT_KERNEL_IDLE, timeout=60_000)
-            page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+            run_all_cells(page, kernel_timeout_ms=60_000)
             page.wait_for_selector(".nbdist-profile g.nbdist-profile-row", timeout=120_000)
             page.wait_for_function(
                 "() => document.body.innerText.includes('NBDIST-STOPPED')", timeout=120_000)
@@ -119,7 +95,7 @@ def test_profile_view_renders_live(tmp_path: Path, frontend: str, artifacts: Pat
 @pytest.mark.timeout(300)
 def test_saved_profile_shows_its_svg_without_a_kernel(tmp_path: Path, frontend: str,
                                                       artifacts: Path) -> None:
-    _browser_tools(frontend)
+    browser_tools(frontend)
     from nbclient import NotebookClient
     from playwright.sync_api import sync_playwright
 
@@ -128,11 +104,11 @@ def test_saved_profile_shows_its_svg_without_a_kernel(tmp_path: Path, frontend: 
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
     nbformat.write(nb, tmp_path / "saved.ipynb")
     options = ("--KernelSpecManager.allowed_kernelspecs=nbdist-no-kernel",)
-    with _lab_server(tmp_path, *options, frontend=frontend) as server, sync_playwright() as playwright:
+    with lab_server(tmp_path, *options, frontend=frontend) as server, sync_playwright() as playwright:
         browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": 1280, "height": 1100})
-            open_saved_notebook(page, _notebook_url(server, "saved.ipynb", frontend))
+            open_saved_notebook(page, notebook_url(server, "saved.ipynb", frontend))
             page.wait_for_function(
                 "() => { const i = document.querySelector('img.nbdist-profile-img');"
                 " return i && i.complete && i.naturalWidth > 0 && i.offsetParent !== null; }",

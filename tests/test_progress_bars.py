@@ -3,12 +3,10 @@ as the notebook frontend receives them), never one printed line per redraw."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-import pytest
-
 from nbdist.notebook.progress import ProgressBars, visible_text
+from tests.kernels import KernelSession
 
 TQDM_CELL = """%%distributed
 from tqdm.auto import tqdm  # what most code imports: in a rank it must be the console bar
@@ -61,31 +59,16 @@ def test_without_a_frontend_a_bar_prints_its_final_state_once(capsys: Any) -> No
     assert "\r" not in err.err and "plain line" in err.out
 
 
-def _iopub(client: Any, code: str, timeout: float = 180) -> list[dict[str, Any]]:
+def _iopub(kernel: KernelSession, code: str, timeout: float = 180) -> list[dict[str, Any]]:
     messages: list[dict[str, Any]] = []
-    reply = client.execute_interactive(code, output_hook=messages.append, timeout=timeout)
-    assert reply["content"]["status"] == "ok", messages[-3:]
+    reply = kernel.run(code, timeout, output_hook=messages.append)
+    assert reply["status"] == "ok", messages[-3:]
     return messages
 
 
-@pytest.fixture
-def kernel(tmp_path: Path) -> Any:
-    from jupyter_client.manager import start_new_kernel
-
-    manager, client = start_new_kernel(kernel_name="python3", cwd=str(tmp_path))
-    try:
-        yield client
-    finally:
-        try:
-            client.execute_interactive("%dist_stop", timeout=60)
-        finally:
-            client.stop_channels()
-            manager.shutdown_kernel(now=False)
-
-
-def test_tqdm_in_two_ranks_is_two_bars_updated_in_place(kernel: Any) -> None:
-    _iopub(kernel, "%load_ext nbdist\n%dist_start -n 2")
-    messages = _iopub(kernel, TQDM_CELL)
+def test_tqdm_in_two_ranks_is_two_bars_updated_in_place(real_kernel: KernelSession) -> None:
+    _iopub(real_kernel, "%load_ext nbdist\n%dist_start -n 2")
+    messages = _iopub(real_kernel, TQDM_CELL)
     streams = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
     assert "%|" not in streams, streams  # no bar redraw printed as a line
     assert "before" in streams and "after" in streams

@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
+from tests.kernels import KernelSession
+
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
-class Frontend:
+class Frontend(KernelSession):
     """A kernel driven as JupyterLab drives it: cells in, every IOPub message recorded."""
 
     def __init__(self, cwd: Path) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(cwd))
+        super().__init__(cwd)
         self.messages: list[dict[str, Any]] = []
 
     def run(self, code: str, timeout: float = 180) -> list[dict[str, Any]]:
@@ -42,13 +42,6 @@ class Frontend:
         """What the frontend sends when the user moves a widget."""
         msg = self.client.session.msg("comm_msg", {"comm_id": comm_id, "data": data})
         self.client.shell_channel.send(msg)
-
-    def close(self) -> None:
-        try:
-            self.run("%dist_stop", timeout=60)
-        finally:
-            self.client.stop_channels()
-            self.manager.shutdown_kernel(now=False)
 
 
 @pytest.fixture

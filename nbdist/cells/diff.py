@@ -127,7 +127,8 @@ def _how(ref: Mapping[str, Any] | None, others: list[Mapping[str, Any] | None]) 
 def measurable(diff: EntryDiff, prints: Mapping[int, Mapping[str, Any]]) -> bool:
     """A tensor of the same shape on every rank: its largest difference means something."""
     fps = [prints[r].get(diff.name) for r in (*diff.reference[:1], *diff.differing)]
-    return all(fp is not None and fp["kind"] == "tensor" for fp in fps) and diff.detail == "values differ"
+    tensors = all(fp is not None and fp["kind"] == "tensor" for fp in fps)
+    return tensors and diff.detail == "values differ"
 
 
 def diff_ranks(cluster: Any, expr: str, ranks: list[int] | None = None, full: bool = False,

@@ -66,7 +66,7 @@ class CellRun:
         self.displays_shown: dict[int, int] = {}
         self.finished_at: dict[int, float] = {}
         self.started = time.perf_counter()
-        # first liveness check one interval in: a short cell then costs no /proc reads (~2 ms)
+        # first liveness check one interval in: a short cell then reads nothing from /proc
         self._next_dead_check = self.started + self.config.internal.dead_check_interval
         self.policy = FaultPolicy(self)
         self.channel = cluster.channel()
@@ -154,7 +154,7 @@ class CellRun:
                     self.sink.on_status(f"nbdist: rank {rank} died ({detail})")
 
     def pump_until(self, seconds: float, ranks: set[int] | None = None) -> bool:
-        """Pump until the given ranks (default: all pending) are done or time is up; True if done."""
+        """Pump until `ranks` (default: all pending) finish or time is up; True if they did."""
         end = time.perf_counter() + seconds
         watch = self.pending if ranks is None else ranks
         while watch & self.pending:
@@ -221,7 +221,11 @@ class CellRun:
 
     def _dead_rank_error(self, rank: int) -> RankError:
         # nbdist's own kill says where the rank was stuck: better than the bare exit signal
-        detail = self.policy.killed.get(rank) or self.cluster.ranks[rank].exit_detail or "engine process exited"
+        detail = (
+            self.policy.killed.get(rank)
+            or self.cluster.ranks[rank].exit_detail
+            or "engine process exited"
+        )
         out = self.outputs.get(rank) or RankOutput()
         # faulthandler dumps every thread after its "Fatal Python error" line: read past them
         return dead_rank_error(rank, detail, out.stdout + out.stderr,

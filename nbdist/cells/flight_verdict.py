@@ -70,9 +70,9 @@ def mismatches(same_seq: dict[int, EnteredCollective]) -> list[str]:
 
 CHECK_HINT = (
     "a collective whose operation or sizes differ across ranks ends a gloo rank this way "
-    "(gloo aborts it from its own thread); with check_collectives (%dist_start --check-collectives, "
-    "NbdistConfig.check_collectives) torch compares them before each collective and every rank "
-    "raises an error naming the sizes instead")
+    "(gloo aborts it from its own thread); with check_collectives (%dist_start "
+    "--check-collectives, NbdistConfig.check_collectives) torch compares them before each "
+    "collective and every rank raises an error naming the sizes instead")
 
 
 def death_lines(dead: list[int], readings: Readings, since: float) -> list[str]:

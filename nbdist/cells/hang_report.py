@@ -113,7 +113,8 @@ def _running_rank_lines(run: RunningCell, rank: int) -> list[str]:
     stack = where.get("stack") or []
     if coll:
         waited = time.time() - float(coll.get("since", time.time()))
-        lines = [f"  rank {rank}: waiting in {coll['name']} at {coll['location']} for {waited:.1f} s"]
+        where = f"{coll['name']} at {coll['location']}"
+        lines = [f"  rank {rank}: waiting in {where} for {waited:.1f} s"]
     else:
         line = cell_line(stack)
         inner = stack[-1] if stack else "?"

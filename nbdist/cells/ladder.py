@@ -39,7 +39,9 @@ class InterruptLadder:
         stuck = set(ranks) & self.run.pending
         for rank in sorted(stuck):
             self.cluster.signal_rank(rank, signal.SIGINT)
-        self.run.result.actions.append(f"sent SIGINT to rank(s) {format_ranks(sorted(stuck))} ({reason})")
+        self.run.result.actions.append(
+            f"sent SIGINT to rank(s) {format_ranks(sorted(stuck))} ({reason})"
+        )
         if self._wait_after_sigint(stuck):
             return self.outcome
         stuck &= self.run.pending
@@ -51,15 +53,18 @@ class InterruptLadder:
         return self.outcome
 
     def _release(self, stuck: set[int]) -> bool:
-        """Make blocked collectives fail; tear down idle peers' groups. True if anything was done."""
+        """Make blocked collectives fail; tear down idle peers' groups. True if it did either."""
         released = [r for r in sorted(stuck) if self.cluster.release_rank(r)]
         if released:
             self.outcome.torn_down = True
             self.run.result.actions.append(
-                f"rank(s) {format_ranks(released)} stayed blocked inside a collective; made it fail "
-                "there (the process group is rebuilt after the cell)"
+                f"rank(s) {format_ranks(released)} stayed blocked inside a collective; made it"
+                " fail there (the process group is rebuilt after the cell)"
             )
-        idle = [p.spec.rank for p in self.cluster.ranks if p.state == "alive" and p.spec.rank not in self.run.pending]
+        idle = [
+            p.spec.rank for p in self.cluster.ranks
+            if p.state == "alive" and p.spec.rank not in self.run.pending
+        ]
         if idle and self.tear_down_idle_peers:
             self.outcome.torn_down = True
             grace = self.config.faults.teardown_grace
@@ -78,18 +83,20 @@ class InterruptLadder:
             )
             self.cluster.signal_rank(rank, signal.SIGKILL)
         self.run.result.actions.append(
-            f"killed the engine of rank(s) {format_ranks(sorted(stuck))} (last step of the ladder); "
-            "run %dist_restart (Cluster.restart()) for a full cluster"
+            f"killed the engine of rank(s) {format_ranks(sorted(stuck))} (last step of the"
+            " ladder); run %dist_restart (Cluster.restart()) for a full cluster"
         )
         self._pump(self.config.faults.kill_confirm_wait, stuck)
-        for rank in stuck & self.run.pending:  # the kill is certain; do not wait for the notification
+        # the kill is certain; do not wait for the notification
+        for rank in stuck & self.run.pending:
             self.run.pending.discard(rank)
             self.cluster.mark_dead(rank, self.outcome.killed[rank])
 
     def _wait_after_sigint(self, stuck: set[int]) -> bool:
-        """Give SIGINT time to work; True if every rank stopped. Cut short (after collective_grace)
-        once each rank still running has sent telemetry taken after the signal that shows it inside
-        a collective: those cannot see SIGINT, so waiting the full interrupt_grace would be wasted."""
+        """Give SIGINT time to work; True if every rank stopped. Cut short (after
+        collective_grace) once each rank still running has sent telemetry taken after the signal
+        that shows it inside a collective: those cannot see SIGINT, so waiting the full
+        interrupt_grace would be wasted."""
         sent = time.time()
         started = time.perf_counter()
         grace = self.config.faults.interrupt_grace

@@ -28,9 +28,10 @@ def is_out_of_memory(err: RankError, engine_log: str = "") -> bool:
 
 def name_out_of_memory(result: CellResult, memory_limit: int | None,
                        engine_log: Callable[[int], str]) -> list[int]:
-    """Mark every root-cause error that is an allocation failure under a memory limit with that
-    limit (its headline then reads "rank N ran out of memory: it is limited to ..."); returns
-    those ranks. `engine_log(rank)`: the end of that rank's engine log (asked for dead ranks only)."""
+    """Mark every root-cause error that is an allocation failure under a memory limit with
+    that limit (its headline then reads "rank N ran out of memory: it is limited to ...");
+    returns those ranks. `engine_log(rank)`: the end of that rank's engine log (asked for dead
+    ranks only)."""
     if memory_limit is None:
         return []
     named = []

@@ -3,7 +3,7 @@ or is interrupted — tear the process group down now, run the interrupt ladder,
 
 A group is torn down only when a peer is really blocked on it: every model that holds the group
 (DDP, FSDP) dies with it, so an ordinary error that every rank raised (a typo) never touches it.
-Measured on gloo: tearing a failed rank's group down releases peers blocked on it at once
+On gloo, tearing a failed rank's group down releases the peers blocked on it at once
 ("Connection closed by peer"). Ranks still busy after that go down the interrupt ladder
 (`nbdist.cells.ladder`). After the cell, a broken or desynchronised group (the ranks queued
 different numbers of collectives: NCCL returns before a collective ran) is aborted and rebuilt as
@@ -57,7 +57,9 @@ class FaultPolicy:
             return
         failed_idle = [
             r for r in run.targets
-            if r not in run.pending and self.cluster.ranks[r].state == "alive" and finished_with_error(run, r)
+            if r not in run.pending
+            and self.cluster.ranks[r].state == "alive"
+            and finished_with_error(run, r)
         ]
         dead = [r for r in run.targets if self.cluster.ranks[r].state == "dead"]
         if not failed_idle and not dead:
@@ -92,7 +94,7 @@ class FaultPolicy:
         ]
 
     def should_run_ladder(self, now: float) -> bool:
-        """Ranks still running `fault_settle` seconds after the first fault are stuck: ladder them."""
+        """Ranks still running `fault_settle` seconds after the first fault are stuck."""
         if self.first_fault_at is None or not self.run.pending:
             return False
         return now - self.first_fault_at >= self.config.faults.fault_settle
@@ -156,7 +158,7 @@ class FaultPolicy:
                 reports = cell_reports(cluster, alive)
             classify_errors(result, reports, ladder_ran=self.ladder_ran, killed=self.killed)
             # the allocator's "std::bad_alloc" line comes before faulthandler's dump of every
-            # thread, which in an engine forked from the fork server ran past 80 lines
+            # thread, which runs long: read a long tail
             name_out_of_memory(result, self.config.start.memory_limit,
                                lambda rank: cluster.engine_log_tail(rank, 400))
             self._name_collective_deaths(reports)
@@ -183,9 +185,10 @@ class FaultPolicy:
     def destroyed_by_cell(self) -> list[int]:
         """Ranks whose cell called dist.destroy_process_group() (a pasted script's last line):
         honoured, then re-formed after the cell so that the next one can use dist again."""
+        payloads = self.cluster.telemetry.last_payload
         return [
             r for r in self.run.targets
-            if ((self.cluster.telemetry.last_payload.get(r) or {}).get("group") or {}).get("destroyed_by_cell")
+            if ((payloads.get(r) or {}).get("group") or {}).get("destroyed_by_cell")
         ]
 
     def _recover(self, reports: dict[int, dict[str, Any]], destroyed: list[int]) -> None:
@@ -195,8 +198,8 @@ class FaultPolicy:
         dead = [p.spec.rank for p in cluster.ranks if p.state == "dead"]
         if dead:
             actions.append(
-                f"rank(s) {format_ranks(dead)} are dead; %dist_restart (Cluster.restart()) brings back "
-                "a full cluster with the same ranks, new processes and a new process group"
+                f"rank(s) {format_ranks(dead)} are dead; %dist_restart (Cluster.restart()) brings"
+                " back a full cluster with the same ranks, new processes and a new process group"
             )
             return
         out_of_step = desynchronised(reports)
@@ -204,8 +207,8 @@ class FaultPolicy:
             return
         if not self._recoverable_in_process() and not destroyed:
             actions.append(
-                f"the {cluster.backend} process group may be broken and cannot be recovered in-process: "
-                "run %dist_restart (Cluster.restart())"
+                f"the {cluster.backend} process group may be broken and cannot be recovered"
+                " in-process: run %dist_restart (Cluster.restart())"
             )
             return
         why = (f"the cell destroyed the process group on rank(s) {format_ranks(destroyed)} "
@@ -219,13 +222,17 @@ class FaultPolicy:
                 f"{cluster.generation}) in {seconds:.2f} s: the next cell can use dist as before"
             )
         except Exception as exc:
-            actions.append(f"{why}could not rebuild the process group ({exc}); run %dist_restart (Cluster.restart())")
+            actions.append(
+                f"{why}could not rebuild the process group ({exc}); run %dist_restart"
+                " (Cluster.restart())"
+            )
 
     def _group_broken(self, reports: dict[int, dict[str, Any]]) -> bool:
         """nbdist tore it down, a rank's group broke under it (a peer went away inside a
         collective), or the cell destroyed it. A collective that merely raised on its arguments
         on every rank broke nothing."""
         return self.torn_down or any(
-            rep.get("group_broken", bool(rep.get("failed_in"))) or not rep.get("pg_initialized", True)
+            rep.get("group_broken", bool(rep.get("failed_in")))
+            or not rep.get("pg_initialized", True)
             for rep in reports.values()
         )

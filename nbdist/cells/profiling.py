@@ -28,7 +28,9 @@ def check_trace_path(path: str | os.PathLike[str] | bool | None) -> str | None:
     text = os.path.abspath(os.path.expanduser(os.fspath(path)))
     folder = os.path.dirname(text)
     if os.path.isdir(text):
-        raise NbdistError(f"--profile {path}: is a folder; give a file name, e.g. {path}/trace.json")
+        raise NbdistError(
+            f"--profile {path}: is a folder; give a file name, e.g. {path}/trace.json"
+        )
     if not os.path.isdir(folder):
         raise NbdistError(f"--profile {path}: folder {folder} does not exist")
     if not os.access(folder, os.W_OK):

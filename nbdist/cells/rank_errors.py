@@ -22,7 +22,9 @@ def rank_error_from_remote(rank: int, error: Any) -> RankError:
         traceback = "\n".join(traceback)
     kind = "interrupted" if ename == "KeyboardInterrupt" else "root"
     where = _last_cell_line(traceback) if kind == "interrupted" else ""
-    return RankError(rank=rank, kind=kind, ename=ename, evalue=evalue, traceback=traceback, where=where)
+    return RankError(
+        rank=rank, kind=kind, ename=ename, evalue=evalue, traceback=traceback, where=where
+    )
 
 
 _FRAME = re.compile(r'File "([^"]+)", line (\d+)|(Cell In\[\d+\]), line (\d+)|File (\S+):(\d+)')
@@ -51,7 +53,9 @@ def dead_rank_error(rank: int, detail: str, output: str, engine_log: str) -> Ran
     if log_tail:
         lines.append("its engine log ends with:")
         lines.extend(f"  {line}" for line in log_tail.splitlines())
-    return RankError(rank=rank, kind="dead", ename="RankDied", evalue=detail, traceback="\n".join(lines))
+    return RankError(
+        rank=rank, kind="dead", ename="RankDied", evalue=detail, traceback="\n".join(lines)
+    )
 
 
 _CXX_REASON = re.compile(r"what\(\):\s+(.+)")
@@ -60,7 +64,7 @@ the process from a thread of its own, printed among faulthandler's thread dump."
 
 CXX_EXCEPTION = "uncaught C++ exception"
 """How a dead rank's report names that line (the process may end by SIGABRT or, while it
-aborts, by SIGSEGV in another thread: measured with gloo's size check)."""
+aborts, by SIGSEGV in another thread: gloo's size check ends it either way)."""
 
 
 def _crash_excerpt(log: str) -> str:

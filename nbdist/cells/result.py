@@ -146,7 +146,7 @@ class CellResult:
 
 ALIKE_FROM = 5
 """Ranks that failed the same way share one headline from this many on (as the per-rank view
-appears from 5 ranks): fewer read as well one by one, as they always did."""
+appears from 5 ranks): fewer read as well one by one."""
 
 
 def _alike(errors: Iterable[RankError]) -> list[tuple[list[int], RankError]]:

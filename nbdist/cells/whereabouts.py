@@ -51,7 +51,7 @@ def telemetry_time(cluster: ClusterCore, rank: int) -> float:
 def blocked_in_collective(cluster: ClusterCore, rank: int) -> bool:
     """The rank's telemetry shows it inside a collective: an explicit one, or (gloo) autograd's
     backward, where DDP's reducer all-reduces gradients from C++ threads. A backward that is merely
-    long is released too; on gloo that costs only a rebuild of the group (~0.05 s)."""
+    long is released too; on gloo that costs only a rebuild of the group."""
     where = where_of(cluster, rank)
     if where.get("collective") or any(not e.completed for e in where.get("flight") or []):
         return True

@@ -23,7 +23,7 @@ from nbdist.dashboard.stragglers import StragglerConfig, StragglerView
 @dataclass
 class DashboardConfig:
     stale_after: float = 5.0
-    """A running rank silent for this long (no telemetry, or no ``log()`` once it has logged) is stale."""
+    """Stale: a running rank silent this long (no telemetry, or no ``log()`` once it logs)."""
 
     stale_log_factor: float = 4.0
     """...or silent for this many times its usual interval between logs, if that is longer."""

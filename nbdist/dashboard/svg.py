@@ -1,7 +1,8 @@
 """Static SVG of the dashboard, kept in the output's mimebundle for saved and exported notebooks.
 
-Pure string building from a :class:`DashboardModel` (no browser, no matplotlib); colours and units
-match the live widget. Coordinates are whole pixels and lines are downsampled, so it stays small.
+Pure string building from a :class:`DashboardModel` (no browser, no matplotlib); colours and
+units match the live widget. Coordinates are whole pixels and lines are downsampled, so it stays
+small.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from nbdist.dashboard.model import DashboardModel
 from nbdist.dashboard.stragglers import describe, ms
 from nbdist.text import format_bytes
 
-__all__ = ["format_bytes", "format_number", "nice_ticks", "render_svg"]  # format_bytes: re-exported
+# format_bytes: nbdist.text's, re-exported
+__all__ = ["format_bytes", "format_number", "nice_ticks", "render_svg"]
 
 _STATE_COLORS = {
     "running": "#2e9e44",
@@ -27,10 +29,12 @@ _STATE_COLORS = {
     "waiting": "#8a8a8a",
 }
 
-# class names are prefixed: JupyterLab inlines trusted SVG, so this <style> applies page-wide
+# class names are prefixed: JupyterLab inlines trusted SVG, so this <style> applies page-wide;
+# the newlines are dropped, so a rule may span lines
 _STYLE = """
 .nbd-bg{fill:var(--jp-layout-color0,#fff)}
-.nbd-t{font:12px var(--jp-ui-font-family,system-ui,-apple-system,'Segoe UI',sans-serif);fill:var(--jp-ui-font-color1,#1f1f1f)}
+.nbd-t{font:12px var(--jp-ui-font-family,system-ui,-apple-system,'Segoe UI',sans-serif);
+fill:var(--jp-ui-font-color1,#1f1f1f)}
 .nbd-m{fill:var(--jp-ui-font-color2,#6a6a6a)}
 .nbd-h{font-weight:600;font-size:13px}
 .nbd-grid{stroke:var(--jp-border-color2,#e4e4e4);stroke-width:1}
@@ -90,15 +94,19 @@ class _Chart:
         self.left, self.top, self.width, self.height = x + 56, y + 22, width - 66, height - 50
 
     def frame(self, out: list[str], title: str, x_label: str) -> None:
+        right = self.left + self.width
         out.append(
-            f'<text class="nbd-t nbd-h" x="{self.left - 50:.0f}" y="{self.top - 8:.0f}">{html.escape(title)}</text>'
+            f'<text class="nbd-t nbd-h" x="{self.left - 50:.0f}" y="{self.top - 8:.0f}">'
+            f"{html.escape(title)}</text>"
         )
         bottom = self.top + self.height
         out.append(
-            f'<line class="nbd-axis" x1="{self.left:.0f}" y1="{bottom:.0f}" x2="{self.left + self.width:.0f}" y2="{bottom:.0f}"/>'
+            f'<line class="nbd-axis" x1="{self.left:.0f}" y1="{bottom:.0f}" x2="{right:.0f}"'
+            f' y2="{bottom:.0f}"/>'
         )
         out.append(
-            f'<text class="nbd-t nbd-m" text-anchor="end" x="{self.left + self.width:.0f}" y="{bottom + 30:.0f}">{html.escape(x_label)}</text>'
+            f'<text class="nbd-t nbd-m" text-anchor="end" x="{right:.0f}" y="{bottom + 30:.0f}">'
+            f"{html.escape(x_label)}</text>"
         )
 
 
@@ -137,9 +145,9 @@ def _draw_lines(
     yb = _bounds([y for _, _, y, _ in lines], log_y)
     bottom = chart.top + chart.height
     if xb is None or yb is None:
-        out.append(
-            f'<text class="nbd-t nbd-m" x="{chart.left + 8:.0f}" y="{chart.top + chart.height / 2:.0f}">no data yet</text>'
-        )
+        middle = chart.top + chart.height / 2
+        x = chart.left + 8
+        out.append(f'<text class="nbd-t nbd-m" x="{x:.0f}" y="{middle:.0f}">no data yet</text>')
         return
     ylow, yhigh = yb
     if log_y:
@@ -157,21 +165,25 @@ def _draw_lines(
     for tick in ticks:
         py = float(_scale(np.array([tick]), ylow, yhigh, bottom, -chart.height, log_y)[0])
         out.append(
-            f'<line class="nbd-grid" x1="{chart.left:.0f}" y1="{py:.0f}" x2="{chart.left + chart.width:.0f}" y2="{py:.0f}"/>'
+            f'<line class="nbd-grid" x1="{chart.left:.0f}" y1="{py:.0f}"'
+            f' x2="{chart.left + chart.width:.0f}" y2="{py:.0f}"/>'
         )
         out.append(
-            f'<text class="nbd-t nbd-m" text-anchor="end" x="{chart.left - 6:.0f}" y="{py + 4:.0f}">{html.escape(y_format(tick))}</text>'
+            f'<text class="nbd-t nbd-m" text-anchor="end" x="{chart.left - 6:.0f}"'
+            f' y="{py + 4:.0f}">{html.escape(y_format(tick))}</text>'
         )
     for tick in nice_ticks(xb[0], xb[1], 5):
         px = float(_scale(np.array([tick]), xb[0], xb[1], chart.left, chart.width, False)[0])
         out.append(
-            f'<text class="nbd-t nbd-m" text-anchor="middle" x="{px:.0f}" y="{bottom + 16:.0f}">{format_number(tick)}</text>'
+            f'<text class="nbd-t nbd-m" text-anchor="middle" x="{px:.0f}" y="{bottom + 16:.0f}">'
+            f"{format_number(tick)}</text>"
         )
     for rank, x, y, dash in lines:
         px = _scale(x, xb[0], xb[1], chart.left, chart.width, False)
         py = _scale(y, ylow, yhigh, bottom, -chart.height, log_y)
         style = f' stroke-dasharray="{dash}"' if dash else ""
-        out.append(f'<path class="nbd-l" stroke="{rank_color(rank)}"{style} d="{_path(px, py)}"/>')
+        stroke = rank_color(rank)
+        out.append(f'<path class="nbd-l" stroke="{stroke}"{style} d="{_path(px, py)}"/>')
 
 
 _ROW = 20
@@ -197,12 +209,14 @@ def render_svg(
     charts_top = _TABLE_TOP + _ROW * (len(ranks) + 2) + 12
     height = charts_top + _CHART_HEIGHT + 28
     out: list[str] = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" class="nbdist-static" width="{width}" height="{height}" '
-        f'viewBox="0 0 {width} {height}" role="img" aria-label="{html.escape(title)}">',
+        '<svg xmlns="http://www.w3.org/2000/svg" class="nbdist-static"'
+        f' width="{width}" height="{height}" viewBox="0 0 {width} {height}" role="img"'
+        f' aria-label="{html.escape(title)}">',
         f"<style>{_STYLE}</style>",
         f'<rect class="nbd-bg" width="{width}" height="{height}"/>',
         f'<text class="nbd-t nbd-h" x="12" y="22">{html.escape(title)}</text>',
-        f'<text class="nbd-t nbd-m" x="{width - 12}" y="22" text-anchor="end">{len(ranks)} ranks · cell {model.cell} · final at cell end</text>',
+        f'<text class="nbd-t nbd-m" x="{width - 12}" y="22" text-anchor="end">{len(ranks)} ranks'
+        f" · cell {model.cell} · final at cell end</text>",
     ]
     _draw_rank_table(out, model, metric, width)
     half = (width - 24) / 2
@@ -212,8 +226,11 @@ def render_svg(
     return "".join(out)
 
 
-def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, width: int) -> None:
-    """Per rank: state, step, steps/s, the metric's last value and a memory bar against capacity."""
+def _draw_rank_table(
+    out: list[str], model: DashboardModel, metric: str | None, width: int
+) -> None:
+    """Per rank: state, step, steps/s, the metric's last value and a memory bar against
+    capacity."""
     headers = (
         "rank",
         "state",
@@ -234,19 +251,26 @@ def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, 
         if rank == stragglers["flagged"]:  # the rank the others wait for
             out.append(f'<rect x="6" y="{y - 14}" width="{width - 12}" height="{_ROW - 2}" '
                        f'fill="{_FLAG_COLOR}" fill-opacity="0.18"/>')
-        out.append(f'<circle cx="{_COLUMNS[0] + 5}" cy="{y - 4}" r="5" fill="{rank_color(rank)}"/>')
+        color = rank_color(rank)
+        out.append(f'<circle cx="{_COLUMNS[0] + 5}" cy="{y - 4}" r="5" fill="{color}"/>')
         out.append(f'<text class="nbd-t" x="{_COLUMNS[0] + 16}" y="{y}">{rank}</text>')
         state = summary["state"]
         label = state if state != "stale" else f"stale {summary['age'] or 0:.0f} s"
+        state_color = _STATE_COLORS.get(state, "#888")
         out.append(
-            f'<text class="nbd-t" x="{_COLUMNS[1]}" y="{y}" style="fill:{_STATE_COLORS.get(state, "#888")}">{html.escape(label)}</text>'
+            f'<text class="nbd-t" x="{_COLUMNS[1]}" y="{y}" style="fill:{state_color}">'
+            f"{html.escape(label)}</text>"
         )
-        out.append(f'<text class="nbd-t" x="{_COLUMNS[2]}" y="{y}">{format_number(summary["step"])}</text>')
-        out.append(f'<text class="nbd-t" x="{_COLUMNS[3]}" y="{y}">{format_number(summary["steps_per_s"])}</text>')
         last = summary["last"].get(metric) if metric else None
-        out.append(f'<text class="nbd-t" x="{_COLUMNS[4]}" y="{y}">{format_number(last)}</text>')
-        out.append(f'<text class="nbd-t" x="{_COLUMNS[5]}" y="{y}">{ms(summary["step_time"])}</text>')
-        out.append(f'<text class="nbd-t" x="{_COLUMNS[6]}" y="{y}">{ms(summary["late_by"])}</text>')
+        cells = (
+            format_number(summary["step"]),
+            format_number(summary["steps_per_s"]),
+            format_number(last),
+            ms(summary["step_time"]),
+            ms(summary["late_by"]),
+        )
+        for x, text in zip(_COLUMNS[2:7], cells, strict=True):
+            out.append(f'<text class="nbd-t" x="{x}" y="{y}">{text}</text>')
         _draw_memory_bar(out, rank, summary["memory"] or {}, y, min(160, bar_width - 310))
     y = _TABLE_TOP + _ROW * (len(model.ranks) + 1)
     style = f' style="fill:{_FLAG_COLOR}"' if stragglers["flagged"] is not None else ""
@@ -254,12 +278,17 @@ def _draw_rank_table(out: list[str], model: DashboardModel, metric: str | None, 
                f'{html.escape(describe(stragglers))}</text>')
 
 
-def _draw_memory_bar(out: list[str], rank: int, memory: dict[str, Any], y: int, track_width: float) -> None:
-    """allocated (solid) and reserved (faint) as shares of capacity, peak as a tick, then the numbers."""
+def _draw_memory_bar(
+    out: list[str], rank: int, memory: dict[str, Any], y: int, track_width: float
+) -> None:
+    """allocated (solid) and reserved (faint) as shares of capacity, peak as a tick, then the
+    numbers."""
     bar_left = _COLUMNS[7]
     capacity = float(memory.get("capacity") or 0)
+    top = y - 11
     out.append(
-        f'<rect class="nbd-track" x="{bar_left}" y="{y - 11}" width="{track_width}" height="12" rx="2"/>'
+        f'<rect class="nbd-track" x="{bar_left}" y="{top}" width="{track_width}"'
+        ' height="12" rx="2"/>'
     )
     if capacity > 0:
         color = rank_color(rank)
@@ -267,27 +296,32 @@ def _draw_memory_bar(out: list[str], rank: int, memory: dict[str, Any], y: int, 
         def frac(key: str) -> float:
             return min(1.0, max(0.0, float(memory.get(key) or 0) / capacity))
 
+        reserved = frac("reserved") * track_width
+        allocated = frac("allocated") * track_width
         out.append(
-            f'<rect x="{bar_left}" y="{y - 11}" width="{frac("reserved") * track_width:.1f}" height="12" rx="2" fill="{color}" fill-opacity="0.35"/>'
+            f'<rect x="{bar_left}" y="{top}" width="{reserved:.1f}" height="12" rx="2"'
+            f' fill="{color}" fill-opacity="0.35"/>'
         )
         out.append(
-            f'<rect x="{bar_left}" y="{y - 11}" width="{frac("allocated") * track_width:.1f}" height="12" rx="2" fill="{color}"/>'
+            f'<rect x="{bar_left}" y="{top}" width="{allocated:.1f}" height="12" rx="2"'
+            f' fill="{color}"/>'
         )
         peak_x = bar_left + frac("peak") * track_width
         out.append(
-            f'<line x1="{peak_x:.1f}" y1="{y - 13}" x2="{peak_x:.1f}" y2="{y + 3}" stroke="{color}" stroke-width="2"/>'
+            f'<line x1="{peak_x:.1f}" y1="{y - 13}" x2="{peak_x:.1f}" y2="{y + 3}"'
+            f' stroke="{color}" stroke-width="2"/>'
         )
     text = (
         f"{format_bytes(memory.get('allocated'))} / {format_bytes(memory.get('reserved'))}"
         f" · peak {format_bytes(memory.get('peak'))} · of {format_bytes(capacity or None)}"
     )
-    out.append(
-        f'<text class="nbd-t nbd-m" x="{bar_left + track_width + 8}" y="{y}">{html.escape(text)}</text>'
-    )
+    x = bar_left + track_width + 8
+    out.append(f'<text class="nbd-t nbd-m" x="{x}" y="{y}">{html.escape(text)}</text>')
 
 
-def _draw_metric_chart(out: list[str], model: DashboardModel, metric: str | None, log_scale: bool,
-                       chart: _Chart) -> None:
+def _draw_metric_chart(
+    out: list[str], model: DashboardModel, metric: str | None, log_scale: bool, chart: _Chart
+) -> None:
     chart.frame(out, f"{metric or 'metric'} per rank{' (log)' if log_scale else ''}", "step")
     lines = []
     for rank, history in model.ranks.items():

@@ -31,14 +31,15 @@ class ExportReport:
         lines = [f"wrote {len(cells) - len(failed)} cell run(s) to {self.path}; run it with "
                  f"torchrun --nproc-per-node {self.nproc} {self.path}"]
         if failed:
+            labels = ", ".join(c.label for c in failed)
             lines.append(f"left out {len(failed)} cell(s) that failed in the notebook "
-                         f"({', '.join(c.label for c in failed)}); they are in the script as comments")
+                         f"({labels}); they are in the script as comments")
         missing = placeholders(self.steps)
         if missing:
             listed = "; ".join(f"{v.name} ({v.description})" for v in missing)
-            lines.append(f"warning: {len(missing)} pushed value(s) cannot be written into the script: "
-                         f"{listed}. The script raises NotImplementedError where each was pushed: "
-                         "define them there.")
+            lines.append(f"warning: {len(missing)} pushed value(s) cannot be written into the "
+                         f"script: {listed}. The script raises NotImplementedError where each was "
+                         "pushed: define them there.")
         return lines
 
 

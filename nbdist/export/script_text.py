@@ -32,7 +32,10 @@ _MAX_LABELS_SHOWN = 4
 _CELL_BOUNDARY = "_cell_boundary()"
 """Ends every exported cell: the template's barrier (only while a process group exists)."""
 
-_SCRIPT_END = "\nif dist.is_initialized():\n    dist.barrier()  # every rank reaches the end before the group goes\n"
+_SCRIPT_END = (
+    "\nif dist.is_initialized():\n"
+    "    dist.barrier()  # every rank reaches the end before the group goes\n"
+)
 
 
 def export_script(steps: Sequence[Step], title: str = "Training script",
@@ -70,7 +73,7 @@ def write_script(path: str | Path, steps: Sequence[Step], title: str | None = No
 
 
 def script_head(title: str, nproc: int, filename: str, threads: int | None) -> str:
-    """The template filled in: docstring, imports, rank setup, up to ``rank, ... = _setup_rank()``."""
+    """The template filled in: docstring, imports, rank setup, to ``rank, ... = _setup_rank()``."""
     template = resources.files("nbdist.export").joinpath(_TEMPLATE).read_text(encoding="utf-8")
     head = template[template.index(_SHEBANG):]
     if head.count(_THREADS_LINE) != 1:  # the template was edited: fail here, not in torchrun
@@ -121,7 +124,8 @@ def _cell_block(cell: DistributedCell, labels: list[str]) -> str:
 
 
 def _push_block(push: Push) -> str:
-    lines = [f"\n# --- {push.label or 'cell'}: %dist_push {' '.join(v.name for v in push.values)} ---"]
+    names = " ".join(v.name for v in push.values)
+    lines = [f"\n# --- {push.label or 'cell'}: %dist_push {names} ---"]
     for value in push.values:
         if value.source is not None:
             lines.append(f"{value.name} = {value.source}")

@@ -33,7 +33,8 @@ class PushedValue:
     def of(cls, name: str, value: Any) -> PushedValue:
         source = _literal(value)
         if source is not None and len(source) > _LITERAL_LIMIT:
-            return cls(name, None, f"{_describe(value)}, too large to write out ({len(source)} characters)")
+            too_large = f"{_describe(value)}, too large to write out ({len(source)} characters)"
+            return cls(name, None, too_large)
         return cls(name, source, _describe(value))
 
 

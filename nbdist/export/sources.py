@@ -51,7 +51,7 @@ def notebook_log(path: str | Path) -> SessionLog:
 
 
 def _code_cells(path: str | Path) -> list[tuple[str, dict[str, Any]]]:
-    """``(label, cell)`` for each code cell; the label counts every cell, as Jupyter numbers them."""
+    """``(label, cell)`` for each code cell; the label counts every cell, as Jupyter does."""
     with open(path, encoding="utf-8") as f:
         notebook = json.load(f)
     return [(f"cell {index}", cell) for index, cell in enumerate(notebook.get("cells", []))
@@ -68,8 +68,11 @@ def _pushes_in_line(arguments: str) -> list[PushedValue]:
     for item in shlex.split(arguments):
         name, has_expr, expr = item.partition("=")
         try:
-            values.append(PushedValue.of(name.strip(), ast.literal_eval(expr)) if has_expr
-                          else PushedValue(name, None, "value unknown: a saved .ipynb does not hold it"))
+            if has_expr:
+                values.append(PushedValue.of(name.strip(), ast.literal_eval(expr)))
+            else:
+                unknown = "value unknown: a saved .ipynb does not hold it"
+                values.append(PushedValue(name, None, unknown))
         except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
             values.append(PushedValue(name.strip(), None, f"the value of `{expr}` in the notebook"))
     return values

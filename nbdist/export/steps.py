@@ -118,9 +118,13 @@ def _parse_magic_line(line: str, body: str, label: str, world_size: int | None) 
     while i < len(words):
         word = words[i]
         if word.startswith("--ranks"):
-            value = word.split("=", 1)[1] if "=" in word else (words[i + 1] if i + 1 < len(words) else "")
-            i += 0 if "=" in word else 1
-            ranks = parse_ranks(value, world_size if world_size is not None else _UNKNOWN_WORLD_SIZE)
+            if "=" in word:
+                value = word.split("=", 1)[1]
+            else:
+                value = words[i + 1] if i + 1 < len(words) else ""
+                i += 1
+            known = world_size if world_size is not None else _UNKNOWN_WORLD_SIZE
+            ranks = parse_ranks(value, known)
         else:
             options.append(word)
         i += 1

@@ -1,5 +1,5 @@
-"""``nbdist.memory_breakdown``: what sits in each rank's memory now, measured (model states exactly,
-activations from one forward), as a table and a stacked bar chart.
+"""``nbdist.memory_breakdown``: what sits in each rank's memory now, measured (model states
+exactly, activations from one forward), as a table and a stacked bar chart.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ class RankMemory:
     rank: int
     device: str
     params: int
-    """Parameters (and module buffers) resident on the device: full, DTensor shard or ZeRO partition."""
+    """Parameters (and module buffers) on the device: full, DTensor shard or ZeRO partition."""
     grads: int
     optimizer: int
     """Optimizer state incl. fp32 master copies (DeepSpeed's flat partitions)."""
@@ -38,7 +38,7 @@ class RankMemory:
     buffers: int = 0
     """Strategy scratch found in the optimizer (e.g. ZeRO reduce buckets)."""
     other: int | None = None
-    """Allocated on the device but none of the above (CPU: malloc'd heap; CUDA: memory_allocated)."""
+    """On the device but none of the above (CPU: malloc'd heap; CUDA: memory_allocated)."""
     offloaded: int = 0
     """Model-state bytes held in CPU memory while the rank computes on a GPU."""
     allocated: int | None = None
@@ -48,7 +48,7 @@ class RankMemory:
     peak_forward: int | None = None
     """CUDA: max_memory_allocated during the measured forward, minus what was allocated before."""
     wrapping: str = "none"
-    """What wraps the model on this rank: ddp, fsdp (FSDP2), fsdp1, zero0-3 (DeepSpeed) or none."""
+    """What wraps the model on this rank: ddp, fsdp (FSDP2), fsdp1, zero0-3 (DeepSpeed), none."""
     wrapping_mismatch: str | None = None
     """One line when the model did not get the wrapping its Trainer's arguments asked for."""
 
@@ -57,9 +57,10 @@ class RankMemory:
         return self.params + self.grads + self.optimizer
 
     def row(self) -> dict[str, Any]:
-        return {**asdict(self), "model_states": self.model_states,
-                "total": self.model_states + (self.activations or 0) + (self.gathered or 0) + self.buffers
-                + (self.other or 0)}
+        rest = (self.activations or 0) + (self.gathered or 0) + self.buffers + (self.other or 0)
+        return {
+            **asdict(self), "model_states": self.model_states, "total": self.model_states + rest
+        }
 
 
 @dataclass
@@ -79,11 +80,16 @@ class MemoryReport:
         return "\n".join(lines)
 
     def table(self) -> str:
-        return self.headline() + "\n" + render_table(
-            self.rows(), ("params", "grads", "optimizer", "activations", "gathered", "buffers", "other", "total"))
+        columns = (
+            "params", "grads", "optimizer", "activations", "gathered", "buffers", "other", "total"
+        )
+        return self.headline() + "\n" + render_table(self.rows(), columns)
 
     def to_svg(self) -> str:
-        rows = [{**r, "other": (r["other"] or 0) + (r["gathered"] or 0) + r["buffers"]} for r in self.rows()]
+        rows = [
+            {**r, "other": (r["other"] or 0) + (r["gathered"] or 0) + r["buffers"]}
+            for r in self.rows()
+        ]
         return render_svg(rows)
 
     def __str__(self) -> str:
@@ -133,31 +139,30 @@ def memory_breakdown(
     activations = peak_forward = None
     gathered = ledger.bytes["gathered"]
     if batch is not None:
-        activations, forward_gathered, peak_forward = _forward_activations(model, batch, loss_fn, ledger.seen, device)
+        activations, forward_gathered, peak_forward = _forward_activations(
+            model, batch, loss_fn, ledger.seen, device
+        )
         gathered += forward_gathered
-    allocated = reserved = other = None
-    states = sum(ledger.bytes.values())  # resident now; what the forward gathered is released again
+    states = sum(ledger.bytes.values())  # resident now: what the forward gathered is freed again
     if device.type == "cuda":
         allocated = torch.cuda.memory_allocated(device)
         reserved = torch.cuda.memory_reserved(device)
     else:
-        allocated = _heap_in_use()
-        reserved = _rss()
-    if allocated is not None:
-        other = max(allocated - states, 0)
+        allocated, reserved = _heap_in_use(), _rss()
+    other = None if allocated is None else max(allocated - states, 0)
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     mine = RankMemory(
         rank=rank, device=str(device), params=ledger.bytes["params"], grads=ledger.bytes["grads"],
         optimizer=ledger.bytes["optimizer"], activations=activations, gathered=gathered,
-        buffers=ledger.bytes["buffers"],
-        other=other, offloaded=ledger.offloaded, allocated=allocated, reserved=reserved,
-        peak_forward=peak_forward, wrapping=wrapped.got, wrapping_mismatch=wrapped.mismatch(),
+        buffers=ledger.bytes["buffers"], other=other, offloaded=ledger.offloaded,
+        allocated=allocated, reserved=reserved, peak_forward=peak_forward,
+        wrapping=wrapped.got, wrapping_mismatch=wrapped.mismatch(),
     )
     return MemoryReport(gather_from_ranks(mine) if gather else [mine])
 
 
 def gather_from_ranks(mine: Any) -> list[Any]:
-    """Every rank's ``mine``, in rank order (a collective; just ``[mine]`` without a process group)."""
+    """Every rank's ``mine``, in rank order (a collective; ``[mine]`` without a process group)."""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
@@ -187,12 +192,13 @@ def _forward_activations(
 
     # DDP's and DeepSpeed's wrappers expect a backward after every forward; the inner module
     # computes the same activations (ZeRO-3 and FSDP2 hooks live on the inner module itself).
-    runnable = model.module if type(model).__module__.startswith(("torch.nn.parallel", "deepspeed")) else model
+    outer = type(model).__module__.startswith(("torch.nn.parallel", "deepspeed"))
+    runnable = model.module if outer else model
     saved: list[torch.Tensor] = []
 
     # The graph keeps only an index; the tensors stay alive in `saved` (as the graph would keep
     # them) until counted. Handing the tensor itself back would make a cycle through autograd's
-    # C++ nodes (an output saved by its own grad_fn) that gc cannot see: every call leaked them.
+    # C++ nodes (an output saved by its own grad_fn) that gc cannot see: every call would leak.
     def pack(tensor: torch.Tensor) -> int:
         saved.append(tensor)
         return len(saved) - 1
@@ -226,8 +232,8 @@ def _forward_activations(
         nbytes = getattr(tensor, "_local_tensor", tensor).untyped_storage().nbytes()
         if nbytes and key[1] and key not in seen:
             seen.add(key)
-            is_param = key in param_keys or isinstance(tensor, torch.nn.Parameter) or hasattr(tensor, "ds_id")
-            totals["gathered" if is_param else "activations"] += nbytes
+            is_param = key in param_keys or isinstance(tensor, torch.nn.Parameter)
+            totals["gathered" if is_param or hasattr(tensor, "ds_id") else "activations"] += nbytes
     saved.clear()  # drop the graph's tensors now, not when the caller's frame ends
     del output, loss
     _zero3_release(runnable, zero3_gathered_before)

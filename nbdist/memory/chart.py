@@ -25,13 +25,20 @@ SEGMENT_COLORS = {
 }
 
 
-def render_table(rows: Sequence[dict[str, Any]], columns: Sequence[str] = (*SEGMENTS, "total")) -> str:
+def render_table(
+    rows: Sequence[dict[str, Any]], columns: Sequence[str] = (*SEGMENTS, "total")
+) -> str:
     """Fixed-width text table, one line per rank."""
-    lines = [[r.get("rank", i), *(format_bytes(r.get(c)) for c in columns)] for i, r in enumerate(rows)]
+    lines = [
+        [r.get("rank", i), *(format_bytes(r.get(c)) for c in columns)]
+        for i, r in enumerate(rows)
+    ]
     return render_text_table(["rank", *columns], lines, align="right", rule=True)
 
 
-def render_svg(rows: Sequence[dict[str, Any]], title: str = "memory per rank", width: int = 520) -> str:
+def render_svg(
+    rows: Sequence[dict[str, Any]], title: str = "memory per rank", width: int = 520
+) -> str:
     """A stacked bar per rank (params, grads, optimizer, activations, other) on one byte scale."""
     height, top, bottom, left = 260, 34, 40, 70
     plot_h = height - top - bottom
@@ -40,13 +47,15 @@ def render_svg(rows: Sequence[dict[str, Any]], title: str = "memory per rank", w
     n = max(len(rows), 1)
     slot = (width - left - 120) / n
     bar_w = max(min(slot * 0.6, 60), 4)
+    base = top + plot_h
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
         f'viewBox="0 0 {width} {height}" font-family="system-ui,sans-serif" font-size="11">',
         f'<text x="{left}" y="18" font-size="13" font-weight="600">{html.escape(title)}</text>',
-        f'<line x1="{left}" y1="{top + plot_h}" x2="{left + slot * n}" y2="{top + plot_h}" stroke="#999"/>',
-        f'<text x="{left - 6}" y="{top + 4}" text-anchor="end" fill="#666">{format_bytes(peak)}</text>',
-        f'<text x="{left - 6}" y="{top + plot_h}" text-anchor="end" fill="#666">0</text>',
+        f'<line x1="{left}" y1="{base}" x2="{left + slot * n}" y2="{base}" stroke="#999"/>',
+        f'<text x="{left - 6}" y="{top + 4}" text-anchor="end" fill="#666">'
+        f"{format_bytes(peak)}</text>",
+        f'<text x="{left - 6}" y="{base}" text-anchor="end" fill="#666">0</text>',
     ]
     for i, row in enumerate(rows):
         x = left + slot * i + (slot - bar_w) / 2
@@ -68,7 +77,8 @@ def render_svg(rows: Sequence[dict[str, Any]], title: str = "memory per rank", w
         )
     for j, segment in enumerate(reversed(SEGMENTS)):
         y = top + 14 * j
-        out.append(f'<rect x="{width - 110}" y="{y}" width="10" height="10" fill="{SEGMENT_COLORS[segment]}"/>')
+        color = SEGMENT_COLORS[segment]
+        out.append(f'<rect x="{width - 110}" y="{y}" width="10" height="10" fill="{color}"/>')
         out.append(f'<text x="{width - 95}" y="{y + 9}">{segment}</text>')
     out.append("</svg>")
     return "".join(out)

@@ -27,10 +27,15 @@ class StrategyComparison:
     rows: list[dict[str, Any]]
 
     def table(self) -> str:
-        lines = [(r["strategy"], r["rank"], format_bytes(r["measured"]), format_bytes(r["estimated"]),
-                  f"{r['ratio']:.3f}", format_bytes(r["params"]), format_bytes(r["grads"]),
-                  format_bytes(r["optimizer"]), f"{r['losses'][0]:.4g}", f"{r['losses'][-1]:.4g}",
-                  f"{r['step_seconds']:.3f}") for r in self.rows]
+        lines = [
+            (
+                r["strategy"], r["rank"], format_bytes(r["measured"]), format_bytes(r["estimated"]),
+                f"{r['ratio']:.3f}", format_bytes(r["params"]), format_bytes(r["grads"]),
+                format_bytes(r["optimizer"]), f"{r['losses'][0]:.4g}", f"{r['losses'][-1]:.4g}",
+                f"{r['step_seconds']:.3f}",
+            )
+            for r in self.rows
+        ]
         return render_table(_HEADER, lines, align="right")
 
     def __str__(self) -> str:
@@ -98,7 +103,8 @@ def _measure(strategy: str, model_fn: Callable[[], Any], batch: Any, loss_fn: Ca
         if not handler.engine_accumulates:
             prepared.step()
     seconds = (time.perf_counter() - started) / steps
-    estimate = estimate_memory(param_count, dist.get_world_size(), handler.name, precision=precision)
+    world_size = dist.get_world_size()
+    estimate = estimate_memory(param_count, world_size, handler.name, precision=precision)
     measured = sum(peak.values())
     handler.release(prepared.model)
     return {

@@ -30,10 +30,12 @@ class TransformerShape:
     @property
     def param_count(self) -> int:
         """12·L·h² + 13·L·h (attention, MLP, norms, biases) + V·h + s·h (embeddings)."""
-        h = self.hidden
-        return 12 * self.layers * h * h + 13 * self.layers * h + self.vocab_size * h + self.seq_len * h
+        h, layers = self.hidden, self.layers
+        return 12 * layers * h * h + 13 * layers * h + self.vocab_size * h + self.seq_len * h
 
-    def activation_bytes(self, micro_batch: int, checkpointing: bool = False, bytes_per_value: int = 2) -> float:
+    def activation_bytes(
+        self, micro_batch: int, checkpointing: bool = False, bytes_per_value: int = 2
+    ) -> float:
         """Activations saved for backward, all layers (Korthikanti et al. 2022, no tensor parallel).
 
         Per layer s·b·h·(34 + 5·a·s/h) bytes in 16-bit; with full recomputation only each layer's
@@ -73,9 +75,15 @@ class MemoryEstimate:
         return self.model_states + (self.activations or 0.0)
 
     def as_gb(self) -> dict[str, float]:
-        return {k: round(v / 1e9, 3) for k, v in (("params", self.params), ("grads", self.grads),
-                ("optimizer", self.optimizer), ("model_states", self.model_states),
-                ("activations", self.activations or 0.0), ("offloaded", self.offloaded))}
+        values = {
+            "params": self.params,
+            "grads": self.grads,
+            "optimizer": self.optimizer,
+            "model_states": self.model_states,
+            "activations": self.activations or 0.0,
+            "offloaded": self.offloaded,
+        }
+        return {k: round(v / 1e9, 3) for k, v in values.items()}
 
 
 def bytes_per_param(strategy: str, precision: str) -> tuple[float, float, float]:
@@ -96,7 +104,10 @@ def count_params(model_or_count: Any) -> int:
         return int(model_or_count)
     if hasattr(model_or_count, "parameters"):
         return sum(p.numel() for p in model_or_count.parameters())
-    raise TypeError(f"expected a parameter count, an nn.Module or a TransformerShape, not {type(model_or_count).__name__}")
+    raise TypeError(
+        "expected a parameter count, an nn.Module or a TransformerShape, not"
+        f" {type(model_or_count).__name__}"
+    )
 
 
 def estimate_memory(
@@ -131,22 +142,30 @@ def estimate_memory(
     if optimizer_bytes is not None:
         k_bytes = float(optimizer_bytes)
     shard, n = chosen.sharding, world_size
-    resident = (p_bytes * psi / (n if shard.params else 1), g_bytes * psi / (n if shard.grads else 1),
-                k_bytes * psi / (n if shard.optimizer else 1))
-    params, grads, optimizer, offloaded = _offload(chosen, resident, offload_optimizer, offload_param)
-    shape = transformer if transformer is not None else (
-        model_or_param_count if isinstance(model_or_param_count, TransformerShape) else None)
+    per_param = ((p_bytes, shard.params), (g_bytes, shard.grads), (k_bytes, shard.optimizer))
+    p, g, k = (b * psi / (n if sharded else 1) for b, sharded in per_param)
+    params, grads, optimizer, offloaded = _offload(
+        chosen, (p, g, k), offload_optimizer, offload_param
+    )
+    shape = transformer
+    if shape is None and isinstance(model_or_param_count, TransformerShape):
+        shape = model_or_param_count
     activations = None
     if shape is not None and micro_batch is not None:
-        activations = shape.activation_bytes(micro_batch, activation_checkpointing, 2 if precision == "mixed" else 4)
-    sharded = lambda flag, b: f"{b:g}Ψ/N" if flag else f"{b:g}Ψ"  # noqa: E731
-    formula = " + ".join((sharded(shard.params, p_bytes), sharded(shard.grads, g_bytes),
-                          sharded(shard.optimizer, k_bytes)))
-    return MemoryEstimate(chosen.name, n, psi, params, grads, optimizer, activations, offloaded, formula)
+        value_bytes = 2 if precision == "mixed" else 4
+        activations = shape.activation_bytes(micro_batch, activation_checkpointing, value_bytes)
+    formula = " + ".join(f"{b:g}Ψ/N" if sharded else f"{b:g}Ψ" for b, sharded in per_param)
+    return MemoryEstimate(
+        chosen.name, n, psi, params, grads, optimizer, activations, offloaded, formula
+    )
 
 
-def _offload(strategy: Strategy, resident: tuple[float, float, float], offload_optimizer: bool,
-             offload_param: bool) -> tuple[float, float, float, float]:
+def _offload(
+    strategy: Strategy,
+    resident: tuple[float, float, float],
+    offload_optimizer: bool,
+    offload_param: bool,
+) -> tuple[float, float, float, float]:
     """(params, grads, optimizer, offloaded) bytes once the requested offloading is applied."""
     params, grads, optimizer = resident
     shard = strategy.sharding

@@ -62,7 +62,8 @@ def account(model: Any, optimizer: Any, device_type: str) -> Ledger:
 
     found = {c: [] for c in CATEGORIES}
     for opt in _optimizer_chain(optimizer):
-        if not isinstance(opt, torch.optim.Optimizer) or type(opt).__module__.startswith("deepspeed.runtime"):
+        from_deepspeed = type(opt).__module__.startswith("deepspeed.runtime")
+        if from_deepspeed or not isinstance(opt, torch.optim.Optimizer):
             _walk_deepspeed(opt, "", 0, set(), found)
     for category in ("params", "grads"):
         ledger.charge_all(category, found[category])
@@ -128,7 +129,9 @@ def _category(name: str) -> str:
     return "buffers"
 
 
-def _walk_deepspeed(obj: Any, name: str, depth: int, seen: set[int], found: dict[str, list]) -> None:
+def _walk_deepspeed(
+    obj: Any, name: str, depth: int, seen: set[int], found: dict[str, list]
+) -> None:
     import torch
 
     if depth > 4 or id(obj) in seen:

@@ -112,7 +112,8 @@ class DistMagics(Magics):
     @argument("-n", type=positive_int, default=None, metavar="N", help="number of ranks")
     @argument("--backend", choices=list(BACKENDS), default="auto")
     @argument("--gpus-per-rank", type=int, default=1, metavar="K", help="GPUs each rank owns")
-    @argument("--threads", type=positive_int, default=None, metavar="T", help="CPU threads per rank")
+    @argument("--threads", type=positive_int, default=None, metavar="T",
+              help="CPU threads per rank")
     @argument("--timeout", type=positive_seconds, default=None, metavar="S",
               help="default deadline for every %%%%distributed cell")
     @argument("--memory-limit", type=memory_size, default=None, metavar="SIZE",
@@ -321,7 +322,7 @@ class DistMagics(Magics):
     @argument("rank", nargs="?", type=int, default=None,
               help="the rank to debug (default: the last failed cell's first root cause)")
     @argument("-c", "--command", action="append", default=None, metavar="CMD",
-              help="run these pdb commands instead of asking (repeatable; headless runs, tutorials)")
+              help="pdb commands to run instead of asking (repeatable; headless runs, tutorials)")
     @line_magic
     def dist_debug(self, line: str) -> None:
         """Post-mortem debugger (pdb) on a rank's failed %%distributed cell, like %debug: p, pp,

@@ -42,8 +42,8 @@ def ranks_label(ranks: list[int], color: bool = True) -> str:
 
 class NotebookSink:
     """Streams each rank's output live; `output` is "merged", "ranks" or "raw"
-    (NbdistConfig.output_mode). `ranks`: the ranks the cell runs on (None: not known, so a line waits
-    its whole interval for the same line from others)."""
+    (NbdistConfig.output_mode). `ranks`: the ranks the cell runs on (None: not known, so a line
+    waits its whole interval for the same line from others)."""
 
     def __init__(self, only_rank0: bool = False, dashboard_factory: Any = None, *,
                  output: str | None = None, ranks: Sequence[int] | None = None,

@@ -33,8 +33,10 @@ def trace_events(timeline: Timeline) -> list[dict[str, Any]]:
         ]
         tids = _thread_ids(row.events)
         names = {**_THREAD_NAMES, **{tid: _thread_label(key) for key, tid in tids.items()}}
-        events += [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
-                   for tid, name in names.items()]
+        events += [
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": name}}
+            for tid, name in names.items()
+        ]
         for start, end, kind in row.segments:
             if kind != "idle":
                 events.append({"ph": "X", "cat": "nbdist", "name": kind, "pid": pid,

@@ -46,7 +46,9 @@ def host_offsets(captures: Sequence[dict[str, Any]]) -> dict[str, float]:
     return offsets
 
 
-def align_clocks(captures: Sequence[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def align_clocks(
+    captures: Sequence[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """The captures on one clock (copies where a host moved), and each host's offset in µs."""
     offsets = host_offsets(captures)
     aligned = []

@@ -50,7 +50,8 @@ def render_svg(timeline: Timeline, summary: ProfileSummary, title: str = "nbdist
     span = max(timeline.end - timeline.start, 1e-9)
     parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_WIDTH}" height="{total_height}" '
              f'viewBox="0 0 {_WIDTH} {total_height}" class="nbdist-profile-svg">',
-             f"<style>{_STYLE}</style>", f'<rect width="{_WIDTH}" height="{total_height}" fill="#fff"/>',
+             f"<style>{_STYLE}</style>",
+             f'<rect width="{_WIDTH}" height="{total_height}" fill="#fff"/>',
              f'<text class="nbp-t nbp-h" x="8" y="18">{html.escape(title)} '
              f"({format_us(span)}, {len(timeline.rows)} ranks)</text>"]
     parts += _legend(top - 16)
@@ -59,8 +60,8 @@ def render_svg(timeline: Timeline, summary: ProfileSummary, title: str = "nbdist
         parts.append(f'<g class="nbdist-profile-row" data-rank="{row.rank}">'
                      f'<text class="nbp-t" x="8" y="{y + 15}">rank {row.rank}</text>')
         for first, last, kind in columns(row.segments, timeline.start, timeline.end, plot):
-            parts.append(f'<rect x="{_LEFT + first}" y="{y}" width="{last - first}" height="{_ROW}" '
-                         f'fill="{KIND_COLORS[kind]}"/>')
+            parts.append(f'<rect x="{_LEFT + first}" y="{y}" width="{last - first}" '
+                         f'height="{_ROW}" fill="{KIND_COLORS[kind]}"/>')
         parts.append("</g>")
     for collective in timeline.collectives:
         if len(collective.arrivals) < 2:
@@ -85,11 +86,13 @@ def render_svg(timeline: Timeline, summary: ProfileSummary, title: str = "nbdist
 def _legend(y: int) -> list[str]:
     parts, x = [], _LEFT
     for kind in KINDS:
-        parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" fill="{KIND_COLORS[kind]}"/>'
+        parts.append(f'<rect x="{x}" y="{y - 9}" width="10" height="10" '
+                     f'fill="{KIND_COLORS[kind]}"/>'
                      f'<text class="nbp-t nbp-m" x="{x + 14}" y="{y}">{kind}</text>')
         x += 30 + 8 * len(kind)
     parts.append(f'<path d="M{x + 4},{y}l-4,-6h8z" fill="#1f1f1f"/>'
-                 f'<text class="nbp-t nbp-m" x="{x + 12}" y="{y}">last rank into a collective</text>')
+                 f'<text class="nbp-t nbp-m" x="{x + 12}" y="{y}">'
+                 "last rank into a collective</text>")
     return parts
 
 

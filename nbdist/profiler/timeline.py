@@ -111,7 +111,8 @@ def rank_calls(events: Sequence[dict[str, Any]]) -> list[CollectiveCall]:
         end = label["ts"] + label["dur"]
         finish, arrival = end, label["ts"]
         for index, op in enumerate(ops):
-            if index not in claimed and op["tid"] == label["tid"] and label["ts"] <= op["ts"] <= end:
+            mine = op["tid"] == label["tid"] and label["ts"] <= op["ts"] <= end
+            if mine and index not in claimed:
                 claimed.add(index)
                 finish = max(finish, done[index])
                 arrival = on_device[index] if on_device[index] is not None else arrival
@@ -156,7 +157,9 @@ def match_collectives(calls_by_rank: dict[int, list[CollectiveCall]]) -> list[Co
     for rank, calls in calls_by_rank.items():
         for call in calls:
             key = (call.group, call.seq)
-            collective = matched.setdefault(key, Collective(call.name, call.group, call.seq, {}, {}))
+            collective = matched.setdefault(
+                key, Collective(call.name, call.group, call.seq, {}, {})
+            )
             collective.arrivals[rank] = call.arrival
             collective.ends[rank] = call.end
     for collective in matched.values():

@@ -1,6 +1,7 @@
 """``nbdist.prepare``: wrap a model and optimizer for DDP, FSDP2 or DeepSpeed inside a rank.
 
-One call on CPU and GPU alike; each strategy's options live in its own module (ddp, fsdp, deepspeed).
+One call on CPU and GPU alike; each strategy's options live in its own module (ddp, fsdp,
+deepspeed).
 """
 
 from __future__ import annotations
@@ -15,10 +16,18 @@ from nbdist.strategies.registry import FAMILIES, STRATEGY_NAMES, get_strategy, r
 if TYPE_CHECKING:  # pragma: no cover
     from torch import nn
 
-__all__ = ["Prepared", "STRATEGIES", "STRATEGY_NAMES", "Strategy", "StrategyOptionError", "get_strategy", "prepare"]
+__all__ = [
+    "Prepared",
+    "STRATEGIES",
+    "STRATEGY_NAMES",
+    "Strategy",
+    "StrategyOptionError",
+    "get_strategy",
+    "prepare",
+]
 
 STRATEGIES = FAMILIES
-"""The libraries prepare() wraps with: ddp, fsdp, deepspeed (each name in STRATEGY_NAMES maps to one)."""
+"""The libraries prepare() wraps with: ddp, fsdp, deepspeed (each of STRATEGY_NAMES maps to one)."""
 
 
 def prepare(
@@ -52,9 +61,14 @@ def prepare(
     handler, options = resolve(strategy, options)
     if not (dist.is_available() and dist.is_initialized()):
         raise StrategyOptionError(
-            "prepare() runs inside a rank of a started cluster (torch.distributed is not initialised "
-            "here): call it in a %%distributed cell after %dist_start"
+            "prepare() runs inside a rank of a started cluster (torch.distributed is not"
+            " initialised here): call it in a %%distributed cell after %dist_start"
         )
     wrapped, wrapped_optimizer = handler.wrap(model, optimizer, options)
-    return Prepared(model=wrapped, optimizer=wrapped_optimizer, strategy=handler.family, options=dict(options),
-                    handler=handler)
+    return Prepared(
+        model=wrapped,
+        optimizer=wrapped_optimizer,
+        strategy=handler.family,
+        options=dict(options),
+        handler=handler,
+    )

@@ -1,5 +1,6 @@
 """Helpers every strategy shares: option errors, the rank's device, block discovery, activation
-checkpointing without model changes, rank-0 weight sync and re-binding an optimizer to new params.
+checkpointing without model changes, rank-0 weight sync and re-binding an optimizer to new
+params.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ BlockSpec = bool | str | type | tuple | Callable[[Any], bool] | None
 """Which submodules are "blocks": ``"auto"``/``True`` (children of every ``nn.ModuleList``), a
 module class or tuple of classes, a predicate ``module -> bool``, or ``None``/``False`` (none)."""
 
-OptimizerArg = Union["torch.optim.Optimizer", Callable[[Iterable[Any]], "torch.optim.Optimizer"], None]
+OptimizerArg = Union[
+    "torch.optim.Optimizer", Callable[[Iterable[Any]], "torch.optim.Optimizer"], None
+]
 
 
 class StrategyOptionError(NbdistError, ValueError):
-    """An option or combination of options that the chosen strategy cannot honour; says what to change."""
+    """Options the chosen strategy cannot honour, alone or together; the message says what to do."""
 
 
 DEEPSPEED_MISSING = (
@@ -60,7 +63,8 @@ def find_blocks(model: nn.Module, spec: BlockSpec) -> list[nn.Module]:
         # Transformer-like models keep their repeated blocks in a ModuleList (GPT-2 `h`,
         # Llama `layers`, ViT `blocks`): those are the units worth sharding and recomputing.
         return [child for m in model.modules() if isinstance(m, nn.ModuleList) for child in m]
-    if isinstance(spec, type) or (isinstance(spec, tuple) and all(isinstance(t, type) for t in spec)):
+    classes = isinstance(spec, tuple) and all(isinstance(t, type) for t in spec)
+    if isinstance(spec, type) or classes:
         return [m for m in model.modules() if m is not model and isinstance(m, spec)]
     if callable(spec):
         return [m for m in model.modules() if m is not model and spec(m)]
@@ -81,8 +85,8 @@ def apply_activation_checkpointing(model: nn.Module, spec: BlockSpec) -> int:
     blocks = find_blocks(model, spec)
     if spec not in (None, False) and not blocks:
         raise StrategyOptionError(
-            "activation_checkpointing found no blocks to recompute: the model has no nn.ModuleList; "
-            "pass activation_checkpointing=<your block class> (or a predicate)"
+            "activation_checkpointing found no blocks to recompute: the model has no"
+            " nn.ModuleList; pass activation_checkpointing=<your block class> (or a predicate)"
         )
     for block in blocks:
         checkpoint(block)
@@ -90,7 +94,7 @@ def apply_activation_checkpointing(model: nn.Module, spec: BlockSpec) -> int:
 
 
 def broadcast_from_rank0(model: nn.Module) -> None:
-    """Give every rank rank 0's parameters and buffers (ranks may have initialised differently)."""
+    """Give every rank rank 0's parameters and buffers (ranks may initialise differently)."""
     import torch
     import torch.distributed as dist
 
@@ -123,15 +127,18 @@ def rebind_optimizer(
         if callable(optimizer):
             return optimizer(model.parameters())
         raise StrategyOptionError(
-            f"optimizer must be a torch.optim.Optimizer, a factory params -> optimizer, or None; got {type(optimizer).__name__}"
+            "optimizer must be a torch.optim.Optimizer, a factory params -> optimizer, or None;"
+            f" got {type(optimizer).__name__}"
         )
     current = dict(model.named_parameters())
-    if all(current.get(names_before.get(id(p), "")) is p for g in optimizer.param_groups for p in g["params"]):
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if all(current.get(names_before.get(id(p), "")) is p for p in params):
         return optimizer  # nothing was replaced (DDP)
     if any(optimizer.state.values()):
         raise StrategyOptionError(
-            "the optimizer already has state (it has stepped); sharding replaces the parameters it refers to. "
-            "Create the optimizer before training, or pass a factory: optimizer=lambda params: torch.optim.AdamW(params)"
+            "the optimizer already has state (it has stepped); sharding replaces the parameters"
+            " it refers to. Create the optimizer before training, or pass a factory:"
+            " optimizer=lambda params: torch.optim.AdamW(params)"
         )
     groups = []
     for group in optimizer.param_groups:
@@ -150,7 +157,9 @@ def reject(options: dict[str, Any], hints: dict[str, str], strategy: str) -> Non
     """Raise for the first option in ``hints`` that was passed, with the hint as the fix."""
     for name, hint in hints.items():
         if name in options:
-            raise StrategyOptionError(f"{name}={options[name]!r} does not apply to strategy={strategy!r}: {hint}")
+            raise StrategyOptionError(
+                f"{name}={options[name]!r} does not apply to strategy={strategy!r}: {hint}"
+            )
 
 
 def check_known(options: dict[str, Any], known: Iterable[str], strategy: str) -> None:

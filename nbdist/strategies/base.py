@@ -25,7 +25,7 @@ class Strategy(Protocol):
     """How one strategy wraps, trains, checkpoints and budgets memory (see ddp, fsdp, deepspeed)."""
 
     name: str
-    """The one name prepare() and estimate_memory() share: ddp, fsdp, fsdp_shard_grad_op, zero0-zero3."""
+    """The one name prepare() and estimate_memory() share: ddp, fsdp, fsdp_shard_grad_op, zeroN."""
 
     family: str
     """The library that does the wrapping: "ddp", "fsdp" or "deepspeed" (``Prepared.strategy``)."""
@@ -74,7 +74,7 @@ def adam_bytes(precision: str, fp32_master: bool) -> tuple[float, float, float]:
 
     mixed: 2 + 2 + 12 (fp32 master, momentum, variance), the paper's K = 12.
     fp32: 4 + 4 + 8 without a master copy; ``fp32_master`` (DeepSpeed's ZeRO clones an fp32
-    master partition even for an fp32 model, measured with DeepSpeed 0.19) makes K = 12.
+    master partition even for an fp32 model, as of DeepSpeed 0.19) makes K = 12.
     """
     if precision == "mixed":
         return (2.0, 2.0, 12.0)

@@ -50,9 +50,10 @@ def load_checkpoint(path: str | Path, model: Any, optimizer: Any = None) -> None
     strategy.load_state(source, model, optimizer, _format(source))
 
 
-def consolidate_checkpoint(path: str | Path, output: str | Path | None = None, *,
-                           include_optimizer: bool = False) -> Path:
-    """Write the full (unsharded, fp32) model state dict of a checkpoint into one ``torch.save`` file.
+def consolidate_checkpoint(
+    path: str | Path, output: str | Path | None = None, *, include_optimizer: bool = False
+) -> Path:
+    """Write a checkpoint's full (unsharded, fp32) model state dict into one ``torch.save`` file.
 
     Load it in any single process with ``model.load_state_dict(torch.load(file))``. Runs without a
     process group; inside a cluster, rank 0 writes and the others wait. ``include_optimizer``
@@ -69,8 +70,10 @@ def consolidate_checkpoint(path: str | Path, output: str | Path | None = None, *
             full = state if include_optimizer else state["model"]
         else:
             if include_optimizer:
-                raise ValueError("include_optimizer applies to DCP checkpoints; DeepSpeed's optimizer "
-                                 "state stays in its own layout (load it with load_checkpoint)")
+                raise ValueError(
+                    "include_optimizer applies to DCP checkpoints; DeepSpeed's optimizer state"
+                    " stays in its own layout (load it with load_checkpoint)"
+                )
             full = _deepspeed_full_state(source)
         torch.save(full, target)
     _barrier()
@@ -100,9 +103,9 @@ def _deepspeed_full_state(source: Path) -> dict[str, Any]:
         state = get_fp32_state_dict_from_zero_checkpoint(str(source), tag=tag)
     else:  # ZeRO stage 0 keeps the whole module in the model-states file
         # saved from GPU ranks, its tensors would otherwise come back on CUDA, here too
-        state = torch.load(next(folder.glob("mp_rank_*_model_states.pt")), map_location="cpu",
-                           weights_only=False)["module"]
-    return {name: tensor.clone() if hasattr(tensor, "clone") else tensor for name, tensor in state.items()}
+        states_file = next(folder.glob("mp_rank_*_model_states.pt"))
+        state = torch.load(states_file, map_location="cpu", weights_only=False)["module"]
+    return {name: t.clone() if hasattr(t, "clone") else t for name, t in state.items()}
 
 
 def _format(source: Path) -> str:
@@ -113,7 +116,9 @@ def _format(source: Path) -> str:
         return "dcp"
     if (source / "latest").is_file():
         return "deepspeed"
-    raise FileNotFoundError(f"no checkpoint in {source} (neither DCP .metadata nor DeepSpeed 'latest')")
+    raise FileNotFoundError(
+        f"no checkpoint in {source} (neither DCP .metadata nor DeepSpeed 'latest')"
+    )
 
 
 def _unpack(model: Any, optimizer: Any) -> tuple[Any, Any, Strategy]:

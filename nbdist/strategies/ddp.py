@@ -1,6 +1,7 @@
 """DistributedDataParallel: a full replica per rank, gradients all-reduced in buckets.
 
-The right choice while parameters, gradients and optimizer state fit on one device (see nbdist.advise).
+The right choice while parameters, gradients and optimizer state fit on one device (see
+nbdist.advise).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class DDPOptions:
     """Needed when some parameters get no gradient in a step (costs a graph traversal per step)."""
 
     static_graph: bool = False
-    """Promise the same graph every step; allows more overlap and unused params with checkpointing."""
+    """Promise the same graph every step: more overlap, and unused params with checkpointing."""
 
     bucket_cap_mb: float | None = None
     """All-reduce bucket size in MiB (None: DDP's default of 25)."""
@@ -46,8 +47,8 @@ class DDPOptions:
 
 
 HINTS = {
-    "cpu_offload": "DDP keeps a full replica on every rank and cannot offload; use strategy='fsdp', "
-    "cpu_offload=True or strategy='deepspeed', offload_optimizer='cpu'",
+    "cpu_offload": "DDP keeps a full replica on every rank and cannot offload; use "
+    "strategy='fsdp', cpu_offload=True or strategy='deepspeed', offload_optimizer='cpu'",
     "offload_optimizer": "offloading needs sharding; use strategy='deepspeed' (ZeRO) instead",
     "offload_param": "offloading needs sharding; use strategy='deepspeed', zero_stage=3",
     "zero_stage": "ZeRO stages are DeepSpeed's; use strategy='deepspeed', zero_stage=N "
@@ -60,7 +61,9 @@ HINTS = {
 }
 
 
-def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+def wrap(
+    model: nn.Module, optimizer: OptimizerArg, **options: Any
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
     """Wrap ``model`` in DDP on this rank's device; the optimizer keeps its parameters."""
     from torch.nn.parallel import DistributedDataParallel
 
@@ -85,7 +88,7 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.
 
 @dataclass(frozen=True)
 class DDPStrategy(TorchNativeStrategy):
-    """A full replica per rank: nothing sharded, 16Ψ bytes of model states with mixed-precision Adam."""
+    """A full replica per rank, nothing sharded: 16Ψ model-state bytes with mixed-precision Adam."""
 
     family: str = "ddp"
 

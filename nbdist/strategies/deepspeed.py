@@ -1,7 +1,7 @@
 """DeepSpeed ZeRO stages 0-3 with CPU/NVMe offload, run inside an existing process group.
 
-Either shorthand options build the config, or the user's own config (dict or JSON file) goes through
-untouched. DeepSpeed is an optional extra and is imported only here, on first use.
+Either shorthand options build the config, or the user's own config (dict or JSON file) goes
+through untouched. DeepSpeed is an optional extra and is imported only here, on first use.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ class DeepSpeedOptions:
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
 
     offload_optimizer: str | None = None
-    """"cpu" or "nvme": optimizer state and step live off the device (ZeRO-Offload, stages 1-3)."""
+    """"cpu" or "nvme": optimizer state and step off the device (ZeRO-Offload, stages 1-3)."""
 
     offload_param: str | None = None
     """"cpu" or "nvme": parameter shards live off the device between uses (stage 3 only)."""
@@ -61,7 +61,7 @@ class DeepSpeedOptions:
     """Recompute these blocks in backward without model changes ("auto": ModuleList children)."""
 
     config: dict[str, Any] | str | Path | None = None
-    """A complete DeepSpeed config (dict or JSON path) passed to deepspeed.initialize untouched."""
+    """A complete DeepSpeed config (dict or JSON path), passed to deepspeed.initialize as is."""
 
     log_level: str = "WARNING"
     """Level for DeepSpeed's own logger (its INFO lines would flood every rank's output)."""
@@ -78,12 +78,14 @@ HINTS = {
     "find_unused_parameters": "a DDP option; DeepSpeed handles unused parameters itself",
 }
 
-_SHORTHANDS = ("zero_stage", "offload_optimizer", "offload_param", "nvme_path", "mixed_precision",
-               "micro_batch_size", "gradient_accumulation_steps", "gradient_clipping")
+_SHORTHANDS = (
+    "zero_stage", "offload_optimizer", "offload_param", "nvme_path", "mixed_precision",
+    "micro_batch_size", "gradient_accumulation_steps", "gradient_clipping",
+)
 
 
 def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any, Any]:
-    """``deepspeed.initialize`` on the existing process group; returns (engine, engine.optimizer)."""
+    """``deepspeed.initialize`` on the existing group; returns (engine, engine.optimizer)."""
     reject(options, HINTS, "deepspeed")
     check_known(options, [f.name for f in dataclasses.fields(DeepSpeedOptions)], "deepspeed")
     given_shorthands = [k for k in _SHORTHANDS if k in options]
@@ -96,16 +98,20 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any
         )
     param_count = sum(p.numel() for p in model.parameters())
     largest = max((p.numel() for p in model.parameters()), default=1)
-    config = _user_config(opts.config) if opts.config is not None else build_config(opts, param_count, largest)
+    if opts.config is not None:
+        config = _user_config(opts.config)
+    else:
+        config = build_config(opts, param_count, largest)
     ds = import_deepspeed()
     logging.getLogger("DeepSpeed").setLevel(opts.log_level)
-    # DeepSpeed 0.19 still calls collectives torch 2.13 deprecated; one warning per call and rank
-    # would bury the cell's own output.
-    warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
+    # DeepSpeed (0.19) calls collectives that torch 2.13 deprecated; one warning per call and
+    # rank would bury the cell's own output.
+    deprecated = r"`torch\.distributed\.\w+` is deprecated"
+    warnings.filterwarnings("ignore", message=deprecated, category=FutureWarning)
 
     import torch
 
-    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer) and callable(optimizer):
         optimizer = optimizer(model.parameters())
     if opts.config is None and opts.offload_optimizer is not None:
         optimizer = _cpu_adam_for_offload(optimizer)
@@ -116,8 +122,9 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any
     if opts.config is None and opts.mixed_precision is not None:
         _cast_float_inputs(model, config)
     args = device_args(int(config.get("zero_optimization", {}).get("stage", 0)))
-    engine, ds_optimizer, _, _ = ds.initialize(model=model, optimizer=optimizer, config=config,
-                                               args=args)
+    engine, ds_optimizer, _, _ = ds.initialize(
+        model=model, optimizer=optimizer, config=config, args=args
+    )
     return engine, ds_optimizer
 
 
@@ -160,7 +167,8 @@ def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000,
     _check_stage(opts.zero_stage)
     # ZeRO allocates its reduce bucket whole (5e8 elements by default: 2 GB in fp32); a bucket
     # larger than the model only wastes memory.
-    zero: dict[str, Any] = {"stage": opts.zero_stage, "reduce_bucket_size": int(min(5e8, max(param_count, 1)))}
+    bucket = int(min(5e8, max(param_count, 1)))
+    zero: dict[str, Any] = {"stage": opts.zero_stage, "reduce_bucket_size": bucket}
     for name in ("offload_optimizer", "offload_param"):
         target = getattr(opts, name)
         if target is None:
@@ -171,8 +179,8 @@ def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000,
             raise StrategyOptionError("offload_optimizer needs ZeRO: set zero_stage to 1, 2 or 3")
         if name == "offload_param" and opts.zero_stage != 3:
             raise StrategyOptionError(
-                f"offload_param needs sharded parameters: set zero_stage=3 (got {opts.zero_stage}), "
-                "or offload only the optimizer with offload_optimizer='cpu'"
+                "offload_param needs sharded parameters: set zero_stage=3 (got"
+                f" {opts.zero_stage}), or offload only the optimizer with offload_optimizer='cpu'"
             )
         zero[name] = {"device": target, "pin_memory": rank_device().type == "cuda"}
         if target == "nvme":
@@ -183,7 +191,9 @@ def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000,
                 # one parameter's partition, so the largest parameter is enough.
                 zero[name]["buffer_size"] = int(min(1e8, max(largest_param, 1)))
     if opts.nvme_path is not None and "nvme" not in (opts.offload_optimizer, opts.offload_param):
-        raise StrategyOptionError("nvme_path is only used with offload_optimizer='nvme' or offload_param='nvme'")
+        raise StrategyOptionError(
+            "nvme_path is only used with offload_optimizer='nvme' or offload_param='nvme'"
+        )
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": opts.micro_batch_size,
         "gradient_accumulation_steps": opts.gradient_accumulation_steps,
@@ -194,9 +204,12 @@ def build_config(opts: DeepSpeedOptions, param_count: int = 500_000_000,
         "steps_per_print": 2**31 - 1,
     }
     if opts.mixed_precision is not None:
-        key = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}.get(opts.mixed_precision)
+        dtypes = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16"}
+        key = dtypes.get(opts.mixed_precision)
         if key is None:
-            raise StrategyOptionError(f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None")
+            raise StrategyOptionError(
+                f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None"
+            )
         config[key] = {"enabled": True}
     if opts.gradient_clipping is not None:
         config["gradient_clipping"] = opts.gradient_clipping
@@ -213,8 +226,12 @@ def _cast_float_inputs(model: nn.Module, config: dict[str, Any]) -> None:
 
     dtype = torch.bfloat16 if "bf16" in config else torch.float16
 
+    def convert(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.to(dtype)
+        return value
+
     def cast(_module: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        convert = lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t  # noqa: E731
         return tuple(convert(a) for a in args), {k: convert(v) for k, v in kwargs.items()}
 
     model.register_forward_pre_hook(cast, with_kwargs=True)
@@ -222,15 +239,20 @@ def _cast_float_inputs(model: nn.Module, config: dict[str, Any]) -> None:
 
 def _nvme_path(path: str | None, option: str) -> str:
     if path is None:
-        raise StrategyOptionError(f"{option}='nvme' needs nvme_path='/path/on/local/nvme' (a directory DeepSpeed may fill)")
+        raise StrategyOptionError(
+            f"{option}='nvme' needs nvme_path='/path/on/local/nvme' (a directory DeepSpeed may"
+            " fill)"
+        )
     if not Path(path).is_dir():
-        raise StrategyOptionError(f"nvme_path={path!r} is not an existing directory on this rank's host")
+        raise StrategyOptionError(
+            f"nvme_path={path!r} is not an existing directory on this rank's host"
+        )
     builder = import_deepspeed().ops.op_builder.AsyncIOBuilder()
     if not builder.is_compatible(verbose=False):
         raise StrategyOptionError(
             f"{option}='nvme' needs DeepSpeed's async_io op, which cannot be built on this host "
-            "(libaio headers are missing): `apt-get install libaio-dev` (or conda's libaio) on every "
-            "rank's host, or offload to 'cpu' instead"
+            "(libaio headers are missing): `apt-get install libaio-dev` (or conda's libaio) on "
+            "every rank's host, or offload to 'cpu' instead"
         )
     return str(path)
 
@@ -239,21 +261,26 @@ def _user_config(config: dict[str, Any] | str | Path) -> dict[str, Any] | str:
     if isinstance(config, dict):
         return config
     if not Path(config).is_file():
-        raise StrategyOptionError(f"config={str(config)!r}: no such DeepSpeed config file on this rank's host")
+        raise StrategyOptionError(
+            f"config={str(config)!r}: no such DeepSpeed config file on this rank's host"
+        )
     return str(config)
 
 
 def _cpu_adam_for_offload(optimizer: Any) -> Any:
-    """ZeRO-Offload steps on the CPU: swap torch Adam/AdamW for DeepSpeed's vectorised CPU Adam."""
+    """ZeRO-Offload steps on the CPU: torch Adam/AdamW become DeepSpeed's vectorised CPU Adam."""
     import torch
 
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return optimizer  # runs as given on the CPU partitions (slower; zero_force_ds_cpu_optimizer off)
+        # Runs as given on the CPU partitions: slower, but zero_force_ds_cpu_optimizer is off.
+        return optimizer
     from deepspeed.ops.adam import DeepSpeedCPUAdam
 
     d = optimizer.defaults
+    kept = ("params", "lr", "betas", "eps", "weight_decay")
+    groups = [{k: v for k, v in g.items() if k in kept} for g in optimizer.param_groups]
     return DeepSpeedCPUAdam(
-        [{k: v for k, v in g.items() if k in ("params", "lr", "betas", "eps", "weight_decay")} for g in optimizer.param_groups],
+        groups,
         lr=d["lr"], betas=d["betas"], eps=d["eps"], weight_decay=d["weight_decay"],
         adamw_mode=type(optimizer) is torch.optim.AdamW,
     )
@@ -280,7 +307,7 @@ class ZeroStrategy:
         model.step()  # steps, zeroes grads and advances DeepSpeed's own counters
 
     def bytes_per_param(self, precision: str) -> tuple[float, float, float]:
-        # Stage 0 hands the torch optimizer through; ZeRO's optimizers keep an fp32 master partition.
+        # Stage 0 hands the torch optimizer through; ZeRO's optimizers keep an fp32 master shard.
         return adam_bytes(precision, fp32_master=self.stage >= 1)
 
     def save_state(self, path: Path, model: Any, optimizer: Any) -> None:
@@ -288,8 +315,10 @@ class ZeroStrategy:
 
     def load_state(self, path: Path, model: Any, optimizer: Any, saved_format: str) -> None:
         if saved_format != "deepspeed":
-            raise ValueError(f"{path} holds a {saved_format} checkpoint; load it into a DDP/FSDP model, or "
-                             "consolidate it and load the full state dict into the DeepSpeed engine's module")
+            raise ValueError(
+                f"{path} holds a {saved_format} checkpoint; load it into a DDP/FSDP model, or "
+                "consolidate it and load the full state dict into the DeepSpeed engine's module"
+            )
         loaded, _ = model.load_checkpoint(str(path), load_optimizer_states=optimizer is not None)
         if loaded is None:
             raise FileNotFoundError(f"DeepSpeed found no checkpoint in {path}")
@@ -301,7 +330,9 @@ class ZeroStrategy:
 
 
 ZERO_STAGES = {
-    stage: ZeroStrategy(f"zero{stage}", Sharding(params=stage >= 3, grads=stage >= 2, optimizer=stage >= 1), stage)
+    stage: ZeroStrategy(
+        f"zero{stage}", Sharding(params=stage >= 3, grads=stage >= 2, optimizer=stage >= 1), stage
+    )
     for stage in (0, 1, 2, 3)
 }
 
@@ -311,16 +342,22 @@ def strategy_for(name: str, options: dict[str, Any]) -> tuple[ZeroStrategy, dict
     (zero_stage=N is filled in), and the options that realise it."""
     if name == "deepspeed":
         stage = options.get("zero_stage")
-        if stage is None:
-            stage = _config_stage(options["config"]) if options.get("config") is not None else DeepSpeedOptions.zero_stage
+        if stage is None and options.get("config") is not None:
+            stage = _config_stage(options["config"])
+        elif stage is None:
+            stage = DeepSpeedOptions.zero_stage
         return ZERO_STAGES[_check_stage(stage)], options
     stage = int(name.removeprefix("zero"))
     if options.get("config") is not None:
-        raise StrategyOptionError(f"strategy={name!r} sets the ZeRO stage; with config=... use "
-                                  "strategy='deepspeed' and put the stage in the config")
+        raise StrategyOptionError(
+            f"strategy={name!r} sets the ZeRO stage; with config=... use "
+            "strategy='deepspeed' and put the stage in the config"
+        )
     if options.get("zero_stage", stage) != stage:
-        raise StrategyOptionError(f"strategy={name!r} is ZeRO stage {stage} but zero_stage={options['zero_stage']!r}: "
-                                  "pass one of them")
+        raise StrategyOptionError(
+            f"strategy={name!r} is ZeRO stage {stage} but"
+            f" zero_stage={options['zero_stage']!r}: pass one of them"
+        )
     return ZERO_STAGES[stage], {**options, "zero_stage": stage}
 
 

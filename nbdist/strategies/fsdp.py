@@ -1,4 +1,5 @@
-"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded on dim 0 across ranks.
+"""FSDP2 (``fully_shard``): parameters, gradients and optimizer state sharded on dim 0 across
+ranks.
 
 Blocks are sharded one by one so only one block is gathered at a time; the root gets the rest.
 """
@@ -57,13 +58,18 @@ class FSDPOptions:
     """Broadcast rank 0's weights before sharding, so ranks that initialised differently agree."""
 
 
+_OFFLOAD_TOGETHER = (
+    "FSDP offloads params, grads and the optimizer step together: use cpu_offload=True"
+)
+
 HINTS = {
     "zero_stage": "ZeRO stages are DeepSpeed's; with FSDP use reshard_after_forward=True "
     "(full shard, ~ZeRO-3) or reshard_after_forward=False (shard grad op, ~ZeRO-2), "
     "or strategy='deepspeed', zero_stage=N",
-    "offload_optimizer": "FSDP offloads params, grads and the optimizer step together: use cpu_offload=True",
-    "offload_param": "FSDP offloads params, grads and the optimizer step together: use cpu_offload=True",
-    "nvme_path": "FSDP cannot offload to disk; use strategy='deepspeed', zero_stage=3, offload_param='nvme'",
+    "offload_optimizer": _OFFLOAD_TOGETHER,
+    "offload_param": _OFFLOAD_TOGETHER,
+    "nvme_path": "FSDP cannot offload to disk; use strategy='deepspeed', zero_stage=3,"
+    " offload_param='nvme'",
     "config": "a config is DeepSpeed's; use strategy='deepspeed'",
     "gradient_as_bucket_view": "a DDP option; FSDP has no buckets to view",
     "find_unused_parameters": "a DDP option; FSDP handles unused parameters itself",
@@ -72,8 +78,10 @@ HINTS = {
 _DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 
 
-def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Shard ``model`` in place with ``fully_shard`` and rebind the optimizer to the sharded params."""
+def wrap(
+    model: nn.Module, optimizer: OptimizerArg, **options: Any
+) -> tuple[nn.Module, torch.optim.Optimizer | None]:
+    """Shard ``model`` in place with ``fully_shard``; rebind the optimizer to the sharded params."""
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -91,20 +99,30 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[nn.
     mp_policy = MixedPrecisionPolicy()
     if opts.mixed_precision is not None:
         if opts.mixed_precision not in _DTYPES:
-            raise StrategyOptionError(f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None")
+            raise StrategyOptionError(
+                f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None"
+            )
         dtype = getattr(torch, _DTYPES[opts.mixed_precision])
         mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
     device = rank_device()
     if device.type == "cpu":
         torch_support.require("fsdp2-cpu")
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if opts.cpu_offload else OffloadPolicy()
+    if opts.cpu_offload:
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    else:
+        offload = OffloadPolicy()
 
     names = param_names(model)
     if opts.sync_module_states:
         broadcast_from_rank0(model)
     apply_activation_checkpointing(model, opts.activation_checkpointing)
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    kwargs = {"mesh": mesh, "reshard_after_forward": reshard, "mp_policy": mp_policy, "offload_policy": offload}
+    kwargs = {
+        "mesh": mesh,
+        "reshard_after_forward": reshard,
+        "mp_policy": mp_policy,
+        "offload_policy": offload,
+    }
     # Innermost first: fully_shard groups whatever parameters are not yet claimed by a child.
     for block in reversed(find_blocks(model, opts.wrap)):
         fully_shard(block, **kwargs)
@@ -122,7 +140,9 @@ def _reshard_after_forward(opts: FSDPOptions) -> bool:
         return opts.reshard_after_forward
     choices = {"full_shard": True, "shard_grad_op": False}
     if opts.sharding.lower() not in choices:
-        raise StrategyOptionError(f"sharding={opts.sharding!r}: use 'full_shard' or 'shard_grad_op'")
+        raise StrategyOptionError(
+            f"sharding={opts.sharding!r}: use 'full_shard' or 'shard_grad_op'"
+        )
     return choices[opts.sharding.lower()]
 
 
@@ -139,7 +159,9 @@ class FSDPStrategy(TorchNativeStrategy):
 
 FSDP_FULL_SHARD = FSDPStrategy("fsdp", Sharding(params=True, grads=True, optimizer=True))
 # Gathered params live from forward to the end of backward, so at the peak they are not sharded.
-FSDP_SHARD_GRAD_OP = FSDPStrategy("fsdp_shard_grad_op", Sharding(params=False, grads=True, optimizer=True))
+FSDP_SHARD_GRAD_OP = FSDPStrategy(
+    "fsdp_shard_grad_op", Sharding(params=False, grads=True, optimizer=True)
+)
 
 _RESHARDING = ("reshard_after_forward", "sharding")
 
@@ -152,7 +174,7 @@ def strategy_for(name: str, options: dict[str, Any]) -> tuple[FSDPStrategy, dict
         return (FSDP_FULL_SHARD if reshard else FSDP_SHARD_GRAD_OP), options
     if given and reshard:
         raise StrategyOptionError(
-            f"strategy='fsdp_shard_grad_op' keeps gathered parameters until backward, but {given} asks "
-            "for a full shard: drop it, or use strategy='fsdp'"
+            "strategy='fsdp_shard_grad_op' keeps gathered parameters until backward, but"
+            f" {given} asks for a full shard: drop it, or use strategy='fsdp'"
         )
     return FSDP_SHARD_GRAD_OP, options if given else {**options, "reshard_after_forward": False}

@@ -1,5 +1,5 @@
-"""``Prepared``: what ``nbdist.prepare`` hands back, the wrapped model and optimizer plus the strategy
-that drives their backward, step and checkpoints.
+"""``Prepared``: what ``nbdist.prepare`` hands back, the wrapped model and optimizer plus the
+strategy that drives their backward, step and checkpoints.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class Prepared:
-    """Attribute access (``prepared.model``) or unpacking (``model, optimizer = nbdist.prepare(...)``)."""
+    """``model, optimizer = nbdist.prepare(...)`` unpacks it; ``prepared.model`` works too."""
 
     model: Any
     """The wrapped model: a DDP module, the FSDP-sharded module itself, or a DeepSpeedEngine."""
@@ -31,7 +31,7 @@ class Prepared:
     """The options prepare() was given, for display and for checkpoint metadata."""
 
     handler: Strategy | None = field(default=None, repr=False)
-    """The Strategy object behind ``strategy`` (looked up from it and the options when not given)."""
+    """The Strategy object behind ``strategy`` (looked up from it and the options if None)."""
 
     def __post_init__(self) -> None:
         if self.handler is None:
@@ -53,11 +53,13 @@ class Prepared:
         return iter((self.model, self.optimizer))
 
     def __repr__(self) -> str:  # the model's own repr can run to pages; this fits a cell output
-        return (f"Prepared(strategy={self.strategy!r}, model={type(self.model).__name__}, "
-                f"optimizer={type(self.optimizer).__name__}, options={self.options!r})")
+        return (
+            f"Prepared(strategy={self.strategy!r}, model={type(self.model).__name__}, "
+            f"optimizer={type(self.optimizer).__name__}, options={self.options!r})"
+        )
 
     def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, or ``engine.backward(loss)`` under DeepSpeed (it scales and reduces)."""
+        """``loss.backward()``, or ``engine.backward(loss)`` under DeepSpeed (scales, reduces)."""
         self._handler.backward(self.model, loss)
 
     def step(self) -> None:

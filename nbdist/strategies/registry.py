@@ -1,5 +1,5 @@
-"""Every strategy under its one name: the names ``prepare()`` and ``estimate_memory()`` both accept,
-and which strategy wrapped a model that arrives without its ``Prepared`` (checkpoints).
+"""Every strategy under its one name: the names ``prepare()`` and ``estimate_memory()`` both
+accept, and which strategy wrapped a model that arrives without its ``Prepared`` (checkpoints).
 """
 
 from __future__ import annotations
@@ -15,14 +15,16 @@ from nbdist.strategies.fsdp import FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP
 
 STRATEGIES_BY_NAME: dict[str, Strategy] = {
     strategy.name: strategy
-    for strategy in (DDP, ZERO_STAGES[1], ZERO_STAGES[2], ZERO_STAGES[3], FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP,
-                     ZERO_STAGES[0])
+    for strategy in (
+        DDP, ZERO_STAGES[1], ZERO_STAGES[2], ZERO_STAGES[3], FSDP_FULL_SHARD, FSDP_SHARD_GRAD_OP,
+        ZERO_STAGES[0],
+    )
 }
 STRATEGY_NAMES = tuple(STRATEGIES_BY_NAME)
 """ddp, zero1, zero2, zero3, fsdp (FULL_SHARD), fsdp_shard_grad_op, zero0."""
 
 FAMILIES = ("ddp", "fsdp", "deepspeed")
-"""The libraries behind the names; ``strategy="deepspeed", zero_stage=N`` is the same as ``"zeroN"``."""
+"""The libraries behind the names; ``strategy="deepspeed", zero_stage=N`` is ``"zeroN"``."""
 
 ALIASES = {
     "fsdp_full_shard": "fsdp", "full_shard": "fsdp", "shard_grad_op": "fsdp_shard_grad_op",
@@ -43,8 +45,11 @@ def resolve(strategy: str, options: dict[str, Any]) -> tuple[Strategy, dict[str,
         return fsdp.strategy_for(name, options)
     if name == DDP.name:
         return DDP, options
-    hint = " (ZeRO stages: strategy='deepspeed', zero_stage=N or strategy='zeroN', N = 0-3)" if name.startswith("zero") else ""
-    raise StrategyOptionError(f"strategy={strategy!r}: use one of {', '.join((*STRATEGY_NAMES, 'deepspeed'))}{hint}")
+    hint = ""
+    if name.startswith("zero"):
+        hint = " (ZeRO stages: strategy='deepspeed', zero_stage=N or strategy='zeroN', N = 0-3)"
+    choices = ", ".join((*STRATEGY_NAMES, "deepspeed"))
+    raise StrategyOptionError(f"strategy={strategy!r}: use one of {choices}{hint}")
 
 
 def get_strategy(strategy: str, zero_stage: int | None = None) -> Strategy:
@@ -78,7 +83,7 @@ def wrapping_of(model: Any) -> str:
 
 
 def strategy_of(model: Any) -> Strategy:
-    """The strategy that wrapped ``model``: a DeepSpeedEngine's stage, FSDP2 (DTensor params), or DDP."""
+    """The strategy that wrapped ``model``: a DeepSpeedEngine's stage, FSDP2 (DTensor), DDP."""
     if type(model).__module__.startswith("deepspeed") and hasattr(model, "save_checkpoint"):
         stage_of = getattr(model, "zero_optimization_stage", None)
         return ZERO_STAGES.get(stage_of() if callable(stage_of) else 0, ZERO_STAGES[0])

@@ -39,8 +39,10 @@ class TorchNativeStrategy:
 
     def load_state(self, path: Path, model: Any, optimizer: Any, saved_format: str) -> None:
         if saved_format != "dcp":
-            raise ValueError(f"{path} holds a DeepSpeed checkpoint: load it with strategy='deepspeed', or "
-                             "consolidate_checkpoint() it and load the full state dict")
+            raise ValueError(
+                f"{path} holds a DeepSpeed checkpoint: load it with strategy='deepspeed', or "
+                "consolidate_checkpoint() it and load the full state dict"
+            )
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import set_state_dict
 

@@ -19,12 +19,13 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.benchmarks.common import write_section
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "benchmarks" / "RESULTS.md"
@@ -149,17 +150,10 @@ def _torch_version() -> str:
     return str(torch.__version__)
 
 
-def write(section: str) -> None:
-    text = RESULTS.read_text()
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    text = pattern.sub(section.rstrip() + "\n", text) if pattern.search(text) else (
-        text.rstrip() + "\n\n" + section)
-    RESULTS.write_text(text)
-
 
 if __name__ == "__main__":
     figures = measure()
     section = render(figures)
     print(section)
     if "--write" in sys.argv:
-        write(section)
+        write_section(RESULTS, SECTION, section)

@@ -35,6 +35,9 @@ from typing import Any
 
 import psutil
 
+from tests.benchmarks.common import write_section
+from tests.kernels import KernelSession
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "benchmarks" / "RESULTS.md"
 SECTION = "## Output at 16 ranks: this output path ÷ the one before it (issue 28)"
@@ -80,13 +83,9 @@ print("SINK " + json.dumps(out))
 """
 
 
-class Kernel:
+class Kernel(KernelSession):
     def __init__(self, tree: Path, workdir: Path) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"}
-        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(workdir),
-                                                     env=env)
+        super().__init__(workdir, env={"PYTHONPATH": str(tree), "OMP_NUM_THREADS": "1"})
         self.run("%load_ext nbdist")
         where = self.run("import nbdist, os\nprint(nbdist.__file__, os.getpid())")[1]
         path, pid = where.split()
@@ -94,29 +93,17 @@ class Kernel:
         self.process = psutil.Process(int(pid))
         self.run(f"%dist_start -n {RANKS} --threads 1")
 
-    def run(self, code: str) -> tuple[float, str]:
+    def run(self, code: str, timeout: float = 600) -> tuple[float, str]:
         """Seconds until the reply, every stream message received; the streamed text."""
-        texts: list[str] = []
-
-        def hook(message: dict[str, Any]) -> None:
-            if message["msg_type"] == "stream":
-                texts.append(message["content"]["text"])
-
+        self.outputs.clear()
         started = time.perf_counter()
-        reply = self.client.execute_interactive(code, output_hook=hook, timeout=600)
+        reply = super().run(code, timeout)
         seconds = time.perf_counter() - started
-        assert reply["content"]["status"] == "ok", "".join(texts)[-2000:]
-        return seconds, "".join(texts)
+        assert reply["status"] == "ok", self.text()[-2000:]
+        return seconds, self.text()
 
     def cpu(self) -> float:
         return sum(self.process.cpu_times()[:2])
-
-    def close(self) -> None:
-        try:
-            self.client.execute_interactive("%dist_stop", timeout=60)
-        finally:
-            self.client.stop_channels()
-            self.manager.shutdown_kernel(now=False)
 
 
 def rank_lines(text: str) -> int:
@@ -242,16 +229,6 @@ def render(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace this figure's section (up to the next "## ") or append it."""
-    current = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    if pattern.search(current):
-        updated = pattern.sub(lambda _: text + "\n", current)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(updated)
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -263,7 +240,7 @@ def main() -> None:
     section = render(out)
     print(section)
     if args.write:
-        write_section(section)
+        write_section(RESULTS, SECTION, section)
         print(f"wrote {RESULTS}")
 
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import re
 import statistics
 import sys
 import time
@@ -26,7 +25,7 @@ from pathlib import Path
 
 from nbdist import Cluster
 from nbdist.cluster.launchers import MultiHostWarning
-from tests.benchmarks.common import ALL_REDUCE, NOOP
+from tests.benchmarks.common import ALL_REDUCE, NOOP, write_section
 from tests.netns_hosts import hosts_network, ssh_launcher_options, why_not
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -116,13 +115,6 @@ def _listed(per_round: object, name: str) -> str:
     return ", ".join(f"{r:.2f}" for r in per_round[name])  # type: ignore[index]
 
 
-def write(section: str) -> None:
-    text = RESULTS.read_text()
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    text = pattern.sub(section.rstrip() + "\n", text) if pattern.search(text) else (
-        text.rstrip() + "\n\n" + section)
-    RESULTS.write_text(text)
-
 
 if __name__ == "__main__":
     reason = why_not()
@@ -132,4 +124,4 @@ if __name__ == "__main__":
     section = render(measure(), time.perf_counter() - started)
     print(section)
     if "--write" in sys.argv:
-        write(section)
+        write_section(RESULTS, SECTION, section)

@@ -17,12 +17,13 @@ import datetime
 import json
 import os
 import platform
-import re
 import statistics
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.benchmarks.common import write_section
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "tests" / "benchmarks" / "RESULTS.md"
@@ -210,16 +211,6 @@ def render(out: dict[str, Any]) -> str:
     ])
 
 
-def write_section(text: str, path: Path = RESULTS) -> None:
-    """Replace this figure's section (up to the next "## ") or append it."""
-    current = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(SECTION) + r".*?(?=\n## |\Z)", re.S)
-    if pattern.search(current):
-        updated = pattern.sub(lambda _: text + "\n", current)
-    else:
-        updated = current.rstrip("\n") + "\n\n" + text + "\n"
-    path.write_text(updated)
-
 
 if __name__ == "__main__":
     figures = measure()
@@ -228,5 +219,5 @@ if __name__ == "__main__":
     section = render(figures)
     print(section)
     if "--write" in sys.argv[1:]:
-        write_section(section)
+        write_section(RESULTS, SECTION, section)
         print(f"wrote {RESULTS}")

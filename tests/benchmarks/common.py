@@ -12,11 +12,13 @@ import contextlib
 import io
 import json
 import os
+import re
 import statistics
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -134,3 +136,16 @@ def versions(*names: str) -> dict[str, str]:
         except PackageNotFoundError:
             pass
     return out
+
+
+def write_section(results: Path, heading: str, section: str) -> None:
+    """Put `section` into the results file in place of the one under `heading` (up to the next
+    "## " heading), or after the rest; every other section is kept as it is."""
+    current = results.read_text() if results.exists() else ""
+    pattern = re.compile(re.escape(heading) + r".*?(?=\n## |\Z)", re.S)
+    body = section.rstrip() + "\n"
+    if pattern.search(current):
+        updated = pattern.sub(lambda _: body, current)
+    else:
+        updated = current.rstrip() + "\n\n" + body
+    results.write_text(updated)

@@ -3,7 +3,6 @@ the stop button (an interrupt) at a chosen moment, everything the cell showed co
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import threading
@@ -12,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from tests.kernels import KernelSession
 
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
@@ -42,14 +43,11 @@ class Outcome:
         return self.status == "ok"
 
 
-class SoakKernel:
+class SoakKernel(KernelSession):
     """One ipykernel process for the whole soak; `pid` is its process, whose tree we audit."""
 
     def __init__(self, cwd: Path, env: dict[str, str] | None = None) -> None:
-        from jupyter_client.manager import start_new_kernel
-
-        self.manager, self.client = start_new_kernel(kernel_name="python3", cwd=str(cwd),
-                                                     env={**os.environ, **(env or {})})
+        super().__init__(cwd, env)
         self.pid = self.manager.provisioner.process.pid  # type: ignore[union-attr]
         self.process = psutil.Process(self.pid)
 
@@ -115,10 +113,3 @@ class SoakKernel:
         if not outcome.ok:
             raise AssertionError(f"kernel could not evaluate {expression!r}: {outcome.text}")
         return outcome.text.strip()
-
-    def close(self) -> None:
-        try:
-            self.run("%dist_stop", timeout=60)
-        finally:
-            self.client.stop_channels()
-            self.manager.shutdown_kernel(now=False)

@@ -1,7 +1,7 @@
-# The head of every script %dist_export writes: nbdist.export.script_text reads this file as text, drops
-# these lines down to the shebang, fills in {title}, {nproc}, {filename} and the THREADS line, and
-# appends the cells. A real .py file so ruff checks it, shipped as package data; never import it
-# (it would start a process group).
+# The head of every script %dist_export writes: nbdist.export.script_text reads this file as
+# text, drops these lines down to the shebang, fills in {title}, {nproc}, {filename} and the
+# THREADS line, and appends the cells. A real .py file so ruff checks it, shipped as package
+# data; never import it (it would start a process group).
 #!/usr/bin/env python
 """{title}
 
