@@ -85,8 +85,28 @@ def run_torchrun(
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = "1"
     env["NBDIST_WORKLOAD_OUT"] = str(out)
+    for attempt in (1, 2):
+        proc = _torchrun_once(cmd, env, script, timeout)
+        if proc.returncode == 0:
+            return
+        # torch's exit-time abort (a C++ thread still joinable at exit) comes after the script
+        # finished; it is not what the tests compare, so it gets one more run, said on stderr
+        if attempt == 1 and EXIT_ABORT in proc.stdout:
+            print(f"run_torchrun: {Path(script).name} aborted at exit ({EXIT_ABORT!r}); "
+                  "running it once more", file=sys.stderr)
+            continue
+        raise RuntimeError(
+            f"torchrun {Path(script).name} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}"
+        )
+
+
+EXIT_ABORT = "terminate called without an active exception"
+
+
+def _torchrun_once(cmd: list[str], env: dict[str, str], script: str | os.PathLike[str],
+                   timeout: float) -> subprocess.CompletedProcess[str]:
     try:
-        proc = subprocess.run(
+        return subprocess.run(
             cmd,
             env=env,
             stdout=subprocess.PIPE,
@@ -103,10 +123,6 @@ def run_torchrun(
         raise RuntimeError(
             f"torchrun {Path(script).name} timed out after {timeout}s:\n{tail[-4000:]}"
         ) from exc
-    if proc.returncode != 0:
-        raise RuntimeError(
-            f"torchrun {Path(script).name} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}"
-        )
 
 
 def read_losses(out_dir: str | os.PathLike[str]) -> dict[int, list[float]]:
