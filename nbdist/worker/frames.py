@@ -11,7 +11,6 @@ OUT_OF_BAND = 64 * 1024
 """Tensors from this many bytes travel as their own frame (zmq sends those without a copy)."""
 
 
-
 def pack(value: Any) -> list[Any]:
     """`value` as frames: a pickle and one frame per large CPU tensor (the tensor's own memory)."""
     frames: list[Any] = []
