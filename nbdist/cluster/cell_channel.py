@@ -20,10 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nbdist.cluster.arguments import check_pushed_values, check_variable_name
-from nbdist.cluster.gather import Gathered
+from nbdist.cluster.gather import Gathered, rank_error
 from nbdist.cluster.ranks import RankProcess
 from nbdist.errors import ClusterStartError, Interrupted, NbdistError
-from nbdist.text import tail
 from nbdist.worker import values as rank_values
 from nbdist.worker.cell_channel import (
     CALL_REQUEST,
@@ -160,9 +159,8 @@ class NotebookChannel:
                 waiting.discard(message.rank)
                 content = message.msg["content"]
                 if content.get("status") != "ok":
-                    text = f"{content.get('ename')}: {content.get('evalue')}"
-                    tb = content.get("traceback")
-                    out.failures[message.rank] = f"{text}\n{tail(tb, 12)}" if tb else text
+                    out.failures[message.rank] = rank_error(
+                        content.get("ename"), content.get("evalue"), content.get("traceback"))
                     continue
                 try:
                     out.results[message.rank] = unpack(message.msg["buffers"])

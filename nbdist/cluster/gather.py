@@ -46,6 +46,11 @@ def collect(asyncs: Mapping[K, Any], timeout: float, what: str) -> dict[K, Any]:
 
 def short_error(exc: BaseException) -> str:
     """`EName: value` and the last lines of the engine-side traceback, if any."""
-    text = f"{getattr(exc, 'ename', type(exc).__name__)}: {getattr(exc, 'evalue', str(exc))}"
-    tb = getattr(exc, "traceback", None)
-    return f"{text}\n{tail(str(tb), 12)}" if tb else text
+    return rank_error(getattr(exc, "ename", type(exc).__name__), getattr(exc, "evalue", str(exc)),
+                      getattr(exc, "traceback", None))
+
+
+def rank_error(ename: Any, evalue: Any, traceback: Any = None) -> str:
+    """How a rank's error reads in a failure list: `EName: value` and its traceback's end."""
+    text = f"{ename}: {evalue}"
+    return f"{text}\n{tail(str(traceback), 12)}" if traceback else text

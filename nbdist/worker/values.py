@@ -102,7 +102,7 @@ def cell_classes(value: Any) -> set[str]:
     would name: another process rebuilds them only if its own `__main__` has them too."""
     found: set[str] = set()
     with open(os.devnull, "wb") as sink, contextlib.suppress(Exception):
-        _CellClassFinder(sink, found).dump(value)  # unpicklable: ipyparallel reports that itself
+        _CellClassFinder(sink, found).dump(value)  # unpicklable: packing the reply reports it
     return found
 
 
@@ -146,8 +146,8 @@ def receive_values(values: dict[str, Any]) -> list[str]:
 
 def send_values(names: list[str], loadable: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Pull: the named values, tensors moved to CPU. `loadable`: the classes the notebook's
-    `__main__` has; a value naming another cell-defined class is refused here, since the notebook
-    could not unpickle it (ipyparallel would drop the reply, not report it)."""
+    `__main__` has; a value naming another cell-defined class is refused here, with the fix,
+    since the notebook could not unpickle it."""
     from IPython import get_ipython
 
     namespace = get_ipython().user_ns
