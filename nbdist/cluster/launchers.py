@@ -203,15 +203,13 @@ def _controller_args(opts: dict[str, Any], spans_hosts: bool, curve: bool) -> li
                                                    "controller_args")]
     if curve:
         args.append("--IPController.enable_curve=True")
-    if spans_hosts:  # a dead host's engines are found by the heartbeat (their PIDs are remote)
-        period = whole_option(opts.pop("heartbeat_period_ms", 1000), "heartbeat_period_ms")
-        misses = whole_option(opts.pop("heartbeat_misses", 5), "heartbeat_misses")
-    else:
-        # the hub completes an engine's registration on a heartbeat: a short period starts
-        # engines sooner, with ipyparallel's own 30 s tolerance (a C thread answers the pings)
-        period = whole_option(opts.pop("heartbeat_period_ms", 100), "heartbeat_period_ms")
-        misses = whole_option(opts.pop("heartbeat_misses", max(10, 30_000 // period)),
-                              "heartbeat_misses")
+    # across hosts a dead host's engines are found by the heartbeat (their PIDs are remote); on
+    # one, the hub completes a registration on a heartbeat, so a short period starts them sooner
+    period = whole_option(opts.pop("heartbeat_period_ms", 1000 if spans_hosts else 100),
+                          "heartbeat_period_ms")
+    # ipyparallel's own 30 s tolerance on one host (a C thread answers the pings)
+    misses = whole_option(opts.pop("heartbeat_misses", 5 if spans_hosts
+                                   else max(10, 30_000 // period)), "heartbeat_misses")
     return [*args, f"--HeartMonitor.period={period}",
             f"--HeartMonitor.max_heartmonitor_misses={misses}"]
 

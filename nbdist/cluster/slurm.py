@@ -176,17 +176,11 @@ class SlurmJob:
         """The job's end in words, with its time limit when that is what ended it."""
         job = job or self.state()
         state = job.ending_as or job.state
-        if state == "TIMEOUT":
-            return (f"Slurm job {self.job_id} reached its time limit ({job.time_limit}) and was "
-                    "ended (TIMEOUT)")
-        if state == "CANCELLED":
-            return f"Slurm job {self.job_id} was cancelled (CANCELLED: scancel)"
-        if state == "NODE_FAIL":
-            return (f"Slurm job {self.job_id} lost a node (NODE_FAIL, {job.reason}): the engines "
-                    "there are gone")
-        if not state:
-            return f"Slurm job {self.job_id} is no longer known to Slurm"
-        return f"Slurm job {self.job_id} ended: {state}{job.why}"
+        ends = {"TIMEOUT": f"reached its time limit ({job.time_limit}) and was ended (TIMEOUT)",
+                "CANCELLED": "was cancelled (CANCELLED: scancel)",
+                "NODE_FAIL": f"lost a node (NODE_FAIL, {job.reason}): the engines there are gone",
+                "": "is no longer known to Slurm"}
+        return f"Slurm job {self.job_id} {ends.get(state, f'ended: {state}{job.why}')}"
 
     def ended_detail(self, fresh: bool = False) -> str | None:
         """end_detail if the job has ended or is ending, else None; a COMPLETING job that does

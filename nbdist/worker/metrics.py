@@ -6,6 +6,7 @@ arrived last at a collective waited least, so the notebook compares waits, never
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import numbers
 import os
@@ -13,6 +14,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.worker.agent import TelemetryAgent
@@ -27,17 +29,17 @@ MAX_RECORDS_PER_PAYLOAD = 2_000
 _Record = tuple[float, float, tuple[str, ...], tuple[Any, ...]]
 
 
+@dataclass
 class _MetricsBuffer:
-    def __init__(self) -> None:
-        # deque.append / popleft are atomic under the GIL: the training and telemetry threads
-        # need no lock, and no record is lost between a read and a swap
-        self.records: deque[_Record] = deque()
-        self.enabled = False
-        self.wake: threading.Event | None = None
-        self.last_step = -1.0
-        self.dropped = 0
-        self.rejected: dict[str, str] = {}
-        self.reported: set[str] = set()
+    # deque.append / popleft are atomic under the GIL: the training and telemetry threads need no
+    # lock, and no record is lost between a read and a swap
+    records: deque[_Record] = field(default_factory=deque)
+    enabled: bool = False
+    wake: threading.Event | None = None
+    last_step: float = -1.0
+    dropped: int = 0
+    rejected: dict[str, str] = field(default_factory=dict)
+    reported: set[str] = field(default_factory=set)
 
 
 _BUFFER = _MetricsBuffer()
@@ -70,10 +72,8 @@ def log(step: int | float | None = None, **metrics: Any) -> None:
 
 
 def _capture(name: str, value: Any) -> Any:
-    if isinstance(value, float | int) and not isinstance(value, bool):
-        return value
     if isinstance(value, numbers.Real):
-        return float(value)
+        return value if type(value) in (int, float) else float(value)
     if isinstance(value, PendingValue):
         return value
     if not hasattr(value, "item"):
@@ -120,22 +120,16 @@ class _PendingCuda(PendingValue):
         return float(self.host.item())
 
 
-def _ready(record: _Record) -> bool:
-    for value in record[3]:
-        if isinstance(value, PendingValue):
-            try:
-                if not value.ready():
-                    return False
-            except Exception:  # a failed event: sent as a gap (None)
-                continue
-    return True
+def _ready(value: Any) -> bool:
+    try:
+        return not isinstance(value, PendingValue) or value.ready()
+    except Exception:  # a failed event: sent as a gap (None)
+        return True
 
 
 def _read(value: Any) -> Any:
-    if not isinstance(value, PendingValue):
-        return value
     try:
-        return value.value()
+        return value.value() if isinstance(value, PendingValue) else value
     except Exception:
         return None
 
@@ -146,7 +140,8 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
     (columns aligned by index), or ``None`` when nothing was logged."""
     buffer = _BUFFER
     records = [buffer.records.popleft() for _ in range(len(buffer.records))]
-    ready = next((i for i, record in enumerate(records) if not _ready(record)), len(records))
+    ready = next((i for i, record in enumerate(records)
+                  if not all(map(_ready, record[3]))), len(records))
     # the rest wait for the next drain, in order, ahead of anything logged meanwhile
     buffer.records.extendleft(reversed(records[ready:]))
     records = records[:ready]
@@ -177,19 +172,15 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
 
 def install_metrics(agent: TelemetryAgent) -> None:
     """Enable :func:`log` in this process and register the ``"metrics"`` provider."""
-    _BUFFER.records.clear()
-    _BUFFER.dropped, _BUFFER.last_step = 0, -1.0
+    global _BUFFER
+    _BUFFER = _MetricsBuffer(enabled=True, wake=agent.wake)
     agent.register("metrics", drain)
-    _BUFFER.wake = agent.wake
-    _BUFFER.enabled = True
 
 
 def uninstall_metrics(agent: TelemetryAgent | None = None) -> None:
     """Turn :func:`log` back into a no-op (tests)."""
-    _BUFFER.enabled = False
-    _BUFFER.wake = None
-    _BUFFER.records.clear()
-    _BUFFER.dropped = 0
+    global _BUFFER
+    _BUFFER = _MetricsBuffer()
     if agent is not None:
         agent.unregister("metrics")
 
@@ -257,23 +248,18 @@ class StepTiming:
         self.collectives.append((group, seq, size, name, waited))
         self._waited += waited
 
-    def watch(self, ddp: Any) -> int:
+    def watch(self, ddp: Any) -> None:
         """Hook every trainable parameter of a DDP model: the last gradient ready in a backward is
-        when this rank handed its last bucket to the all-reduce. Returns how many were hooked."""
+        when this rank handed its last bucket to the all-reduce."""
         group = getattr(ddp, "process_group", None)
 
         def ready(_param: Any) -> None:
             self._ddp_ready = (group, time.perf_counter())
 
-        hooked = 0
-        try:
+        with contextlib.suppress(Exception):  # an older torch or an odd module: trains untimed
             for param in ddp.module.parameters():
                 if param.requires_grad:
                     param.register_post_accumulate_grad_hook(ready)
-                    hooked += 1
-        except Exception:  # an older torch or an odd module: DDP trains on, untimed
-            pass
-        return hooked
 
     def on_optimizer_step_begin(self, *_: Any) -> None:
         """Global optimizer-step pre hook: DDP's backward has waited for every rank by now."""
@@ -281,14 +267,12 @@ class StepTiming:
         if ready is None or not self.enabled:
             return
         group, arrived = ready
-        try:
+        with contextlib.suppress(Exception):
             group = _group_or_default(group)
             # the sequence number after the step's buckets is the same on every rank; ":ddp"
             # keeps it apart from the explicit collective entered at that number next
             self.record(f"{group.group_name}:ddp", group._get_sequence_number_for_group(),
                         group.size(), DDP_NAME, time.perf_counter() - arrived)
-        except Exception:
-            pass
 
     def on_optimizer_step(self, optimizer: Any, *_: Any) -> None:
         """Global optimizer-step post hook: one record per step of the first optimizer that
