@@ -24,8 +24,7 @@ def validate_backend(requested: str, gpus_per_rank: int = 1) -> str:
     if requested == "nccl" and gpus_per_rank == 0:
         raise NbdistError(
             "--backend nccl with --gpus-per-rank 0: NCCL moves only CUDA tensors, so every rank "
-            "needs a GPU. Use --backend gloo for CPU ranks, or --gpus-per-rank 1 or more."
-        )
+            "needs a GPU. Use --backend gloo for CPU ranks, or --gpus-per-rank 1 or more.")
     return requested
 
 
@@ -79,32 +78,25 @@ def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
     """Parse a rank selection such as ``"0,2-3"`` into a sorted list, checking bounds."""
-    selected: set[int] = set()
     if not text.strip():
         raise NbdistError("--ranks is empty: give ranks like 0,2-3")
-    for part in text.split(","):
-        part = part.strip()
+    selected: set[int] = set()
+    for part in (part.strip() for part in text.split(",")):
+        first_text, dash, last_text = part.partition("-")
         try:
-            if "-" in part:
-                first_text, last_text = part.split("-", 1)
-                first, last = int(first_text), int(last_text)
-                if last < first:
-                    raise NbdistError(
-                        f"--ranks range {part!r} runs backwards: write {last}-{first}")
-                # only the part that exists is expanded: 0-99999999999 must not fill memory
-                selected.update(range(first, min(last, world_size) + 1), {last})
-            else:
-                selected.add(int(part))
+            first = int(first_text)
+            last = int(last_text) if dash else first
         except ValueError:
             raise NbdistError(
-                f"--ranks {text!r}: {part!r} is not a rank or a range like 2-3"
-            ) from None
+                f"--ranks {text!r}: {part!r} is not a rank or a range like 2-3") from None
+        if last < first:
+            raise NbdistError(f"--ranks range {part!r} runs backwards: write {last}-{first}")
+        # only the part that exists is expanded: 0-99999999999 must not fill memory
+        selected.update(range(first, min(last, world_size) + 1), {last})
     out_of_range = sorted(r for r in selected if r < 0 or r >= world_size)
     if out_of_range:
-        raise NbdistError(
-            f"--ranks {text!r}: rank(s) {out_of_range} do not exist "
-            f"(this cluster has ranks 0-{world_size - 1})"
-        )
+        raise NbdistError(f"--ranks {text!r}: rank(s) {out_of_range} do not exist "
+                          f"(this cluster has ranks 0-{world_size - 1})")
     return sorted(selected)
 
 
@@ -124,8 +116,7 @@ def choose_backend(requested: str, gpu_counts: list[int], gpus_per_rank: int) ->
     if requested == "nccl" and not have_gpus:
         raise NbdistError(
             "--backend nccl needs a CUDA GPU on every rank's host, and torch sees none here. "
-            "Use --backend gloo (CPU ranks) or start on a machine with GPUs."
-        )
+            "Use --backend gloo (CPU ranks) or start on a machine with GPUs.")
     if requested == "auto":
         return "nccl" if have_gpus and gpus_per_rank > 0 else "gloo"
     return requested
@@ -210,16 +201,14 @@ def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tupl
     if all(sets) and len(set(sets)) > 1:
         raise NbdistError(
             f"host {host}: its engines see different but overlapping sets of GPUs, so nbdist "
-            "cannot tell which GPU is whose. Give every task the same GPUs, or each its own."
-        )
+            "cannot tell which GPU is whose. Give every task the same GPUs, or each its own.")
     needed = len(members) * per_rank
     visible = min(e.gpu_count for e in members)
     if needed > visible:
         raise NbdistError(
             f"host {host}: {len(members)} ranks x {per_rank} GPU(s) per rank needs {needed} "
             f"GPUs, but {visible} are visible. Start fewer ranks (-n "
-            f"{max(visible // per_rank, 1)}) or lower --gpus-per-rank."
-        )
+            f"{max(visible // per_rank, 1)}) or lower --gpus-per-rank.")
     return [tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(members))]
 
 

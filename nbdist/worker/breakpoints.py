@@ -5,16 +5,15 @@ notebook as a telemetry payload and whose commands come back over the cell chann
 from __future__ import annotations
 
 import contextlib
-import io
 import itertools
 import os
-import pdb
 import sys
 import threading
 import time
 from typing import Any
 
 from nbdist.worker import cell_channel
+from nbdist.worker.post_mortem import CapturedPdb
 
 SKIPPED_MODULES = ["IPython.*", "ipykernel.*", "ipyparallel.*", "nbdist.*", "tornado.*",
                    "asyncio.*", "zmq.*", "traitlets.*", "contextlib", "codeop"]
@@ -52,28 +51,15 @@ def hook(*_args: Any, **_kwargs: Any) -> None:
     RankPdb(_AGENT).set_trace(sys._getframe(1))
 
 
-class RankPdb(pdb.Pdb):
+class RankPdb(CapturedPdb):
     """pdb with its output captured and its input (its own `readline`) answered by the notebook."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
-        self.output = io.StringIO()
         # nosigint: the stop button must interrupt the rank, not break into pdb again
-        super().__init__(stdin=io.StringIO(), stdout=self.output, skip=SKIPPED_MODULES,
-                         nosigint=True, readrc=False)
+        super().__init__(skip=SKIPPED_MODULES, nosigint=True)
         self.stdin = self
         self.prompt = f"(rank {agent.rank} pdb) "
-
-    def take_output(self) -> str:
-        text = self.output.getvalue()
-        self.output.seek(0)
-        self.output.truncate()
-        return text
-
-    def onecmd(self, line: str) -> bool:
-        # statements (`!x = 1`, `print(x)`) print to sys.stdout: they belong with pdb's answer
-        with contextlib.redirect_stdout(self.output), contextlib.redirect_stderr(self.output):
-            return bool(super().onecmd(line))
 
     def _cmdloop(self) -> None:
         # pdb's own loop re-prompts after KeyboardInterrupt; here the stop button (the ladder's

@@ -16,28 +16,43 @@ QUIT_COMMANDS = frozenset({"q", "quit", "exit", "c", "cont", "continue"})
 """End the session: the rank is never resumed (post-mortem), so continue means quit too."""
 
 
-class PostMortem(pdb.Pdb):
-    """pdb on a traceback, from its first cell frame on, that never reads stdin: `run_command`
-    returns what a command printed."""
+class CapturedPdb(pdb.Pdb):
+    """pdb whose every word goes to `output` (also breakpoints.RankPdb's base)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.output = io.StringIO()
+        super().__init__(stdin=io.StringIO(), stdout=self.output, readrc=False, **kwargs)
+
+    def take_output(self) -> str:
+        text = self.output.getvalue()
+        self.output.seek(0)
+        self.output.truncate()
+        return text
+
+    def onecmd(self, line: str) -> bool:
+        # statements (`!x = 1`, `print(x)`) print to sys.stdout: they belong with pdb's answer
+        with contextlib.redirect_stdout(self.output), contextlib.redirect_stderr(self.output):
+            return bool(super().onecmd(line))
+
+
+class PostMortem(CapturedPdb):
+    """pdb on a traceback, from its first cell frame on: `run_command` returns what a command
+    printed."""
 
     def __init__(self, traceback: Any) -> None:
-        self.output = io.StringIO()
-        super().__init__(stdin=io.StringIO(), stdout=self.output, readrc=False)
+        super().__init__()
         self.prompt = ""
         self.reset()
         self.setup(None, first_cell_frame(traceback) or traceback)
 
     def run_command(self, command: str | None) -> str:
         """What `command` printed; None: the frame the session is in, as pdb shows it on entry."""
-        self.output.seek(0)
-        self.output.truncate()
-        # statements (`!x = 1`, `print(x)`) print to sys.stdout, pdb's own commands to its stdout
-        with contextlib.redirect_stdout(self.output), contextlib.redirect_stderr(self.output):
-            if command is None:
-                self.print_stack_entry(self.stack[self.curindex])
-            else:
-                self.onecmd(command)
-        return self.output.getvalue()
+        self.take_output()
+        if command is None:
+            self.print_stack_entry(self.stack[self.curindex])
+        else:
+            self.onecmd(command)
+        return self.take_output()
 
 
 _SESSION: PostMortem | None = None

@@ -249,14 +249,11 @@ def _drop_last_traceback() -> None:
     for name in ("last_traceback", "last_value", "last_exc"):
         if hasattr(sys, name):
             setattr(sys, name, None)
-    try:
+    with contextlib.suppress(Exception):
         from IPython import get_ipython
 
-        shell = get_ipython()
-        if shell is not None:
-            ipp_compat.forget_last_traceback(shell)
-    except Exception:
-        pass
+        if get_ipython() is not None:
+            ipp_compat.forget_last_traceback(get_ipython())
 
 
 def is_initialized() -> bool:

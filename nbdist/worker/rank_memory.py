@@ -230,16 +230,13 @@ def apply_memory_limit(limit: int | None, device: Any) -> None:
         import torch
 
         total = torch.cuda.get_device_properties(device).total_memory
-        fraction = min(1.0, limit / total)
-        torch.cuda.set_per_process_memory_fraction(fraction, device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
         STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, device=device)
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
         # glibc: every block of 128 KiB or more its own mmap, unmapped when freed; by default the
         # threshold rises after the first large free and freed tensors stay counted in the heap
         libc().mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    except (OSError, AttributeError):  # not glibc
-        pass
     baseline = read_status("VmData")["VmData"]  # private writable mappings: what the limit counts
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     soft = baseline + limit if hard == resource.RLIM_INFINITY else min(baseline + limit, hard)
@@ -255,8 +252,7 @@ def memory_budget() -> dict[str, Any]:
         return {"limit": None, "in_use": None}
     if STATE["mechanism"] == "RLIMIT_DATA":
         in_use = read_status("VmData")["VmData"] - STATE["baseline"]
-        return {"limit": STATE["limit"], "in_use": in_use,
-                "mechanism": STATE["mechanism"]}
+        return {"limit": STATE["limit"], "in_use": in_use, "mechanism": STATE["mechanism"]}
     import torch
 
     device = STATE["device"]

@@ -45,13 +45,12 @@ def install() -> None:
 def _wait_loop() -> None:
     while True:
         received = signal.sigwait(_SIGNALS)
-        try:
+        # never let the listener die: the next request must still work
+        with contextlib.suppress(Exception):
             if received != REPORT_SIGNAL:
                 release_now()
             elif report_hook is not None:
                 report_hook()
-        except Exception:  # never let the listener die: the next request must still work
-            pass
 
 
 def socket_fds() -> dict[int, str]:
