@@ -123,8 +123,6 @@ def is_local_engine(probe: dict[str, Any]) -> bool:
 
 def controller_host(client: Any) -> str | None:
     """The controller's address as engines see it (the peer ranks route towards)."""
-    if client is None:
-        return None
     cfg = ipp_compat.client_connection(client)
     interface = str(cfg.get("interface", ""))
     host = interface.split("://", 1)[-1]

@@ -50,7 +50,7 @@ def cell_finished() -> None:
         _ACTIVE.cell_end_us = time.time_ns() / 1000
 
 
-def start() -> bool:
+def start() -> None:
     """Start profiling this rank (CPU; CUDA kernels too when a GPU is in use). A profile already
     running (e.g. a `with nbdist.profile()` block left open by a failed cell) is stopped first."""
     global _ACTIVE
@@ -73,7 +73,6 @@ def start() -> bool:
     _ACTIVE = _Session(profiler, (before + time.time_ns()) / 2000)
     collectives.install()  # under plain torchrun too: each explicit call becomes a named range
     collectives.TRACKER.profiling = True
-    return True
 
 
 def stop(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
