@@ -7,37 +7,20 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from nbdist import ipp_compat
 from nbdist.cluster import watchdog
 from nbdist.cluster.processes import OwnedProcesses
 from nbdist.cluster.ranks import RankProcess
-from nbdist.cluster.telemetry import TelemetryHub
 
 if TYPE_CHECKING:  # pragma: no cover
-    from nbdist.cluster.launch_modes import LaunchMode
-
-
-class RankHolder(Protocol):
-    """What liveness needs of the cluster (ClusterCore provides it)."""
-
-    ranks: list[RankProcess]
-    telemetry: TelemetryHub
-    controller_lost: bool
-    launch_mode: LaunchMode
-
-    def is_registered(self, engine_id: int) -> bool: ...
-
-    def mark_dead(self, rank: int, detail: str, notify: bool = True) -> None: ...
-
-    def signal_rank(self, rank: int, sig: int) -> None: ...
-
+    from nbdist.cluster import ClusterCore
 
 class Liveness:
     """Exit statuses and lost engines as they are learnt (any thread), reported by poll_dead."""
 
-    def __init__(self, cluster: RankHolder, processes: OwnedProcesses) -> None:
+    def __init__(self, cluster: ClusterCore, processes: OwnedProcesses) -> None:
         self.cluster = cluster
         self.processes = processes
         self._lock = threading.Lock()
