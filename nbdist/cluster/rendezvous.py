@@ -114,11 +114,8 @@ def _probe_address(probe: dict[str, Any], interface: str | None) -> str | None:
 
 def is_local_engine(probe: dict[str, Any]) -> bool:
     """Same machine (hostname and boot id) and the PID really is that engine here."""
-    if probe.get("host") != socket.gethostname():
-        return False
-    if probe.get("boot_id") != net.boot_id():
-        return False
-    return watchdog.same_process(int(probe["pid"]), float(probe["create_time"])) is not None
+    return (probe.get("host") == socket.gethostname() and probe.get("boot_id") == net.boot_id()
+            and watchdog.same_process(int(probe["pid"]), float(probe["create_time"])) is not None)
 
 
 def controller_host(client: Any) -> str | None:

@@ -88,10 +88,8 @@ def job_launcher(engine_sets: Any) -> Any:
     """The Slurm engine-set launcher among ipyparallel's engine sets (with a job id), or None."""
     from ipyparallel.cluster.launcher import SlurmLauncher
 
-    for launcher in engine_sets:
-        if isinstance(launcher, SlurmLauncher) and getattr(launcher, "job_id", ""):
-            return launcher
-    return None
+    return next((launcher for launcher in engine_sets
+                 if isinstance(launcher, SlurmLauncher) and getattr(launcher, "job_id", "")), None)
 
 
 def prepare_submission(config: Any, profile_dir: str) -> None:
