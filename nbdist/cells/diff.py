@@ -175,13 +175,9 @@ def _small(diff: EntryDiff, prints: Mapping[int, Mapping[str, Any]]) -> bool:
 
 
 def _measure_fetched(cluster: Any, wanted: list[EntryDiff], timeout: float) -> None:
-    by_rank: dict[int, list[str]] = {}
-    for diff in wanted:
-        for rank in (diff.reference[0], *diff.differing):
-            by_rank.setdefault(rank, []).append(diff.name)
-    results: dict[int, Any] = {}
-    for rank, names in by_rank.items():  # each rank its own names: one call per rank
-        results.update(cluster.call(diffing.fetch, names, ranks=[rank], timeout=timeout).results)
+    ranks = sorted({r for diff in wanted for r in (diff.reference[0], *diff.differing)})
+    names = sorted({diff.name for diff in wanted})  # small entries only: the union costs little
+    results = cluster.call(diffing.fetch, names, ranks=ranks, timeout=timeout).results
     for diff in wanted:
         ref = results.get(diff.reference[0], {}).get(diff.name)
         others = [results.get(r, {}).get(diff.name) for r in diff.differing]
