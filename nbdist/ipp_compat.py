@@ -1,4 +1,5 @@
-"""Every use nbdist makes of ipyparallel's, ipykernel's or IPython's private attributes.
+"""Every use nbdist makes of ipyparallel's, ipykernel's or IPython's private attributes, and of
+the standard library forkserver's undocumented protocol (`multiprocessing.forkserver.main`).
 
 Each function names what it relies on and what happens when a release drops it. One use lives
 elsewhere because it is a subclass: `cluster/fork_launcher.ForkEngineLauncher` overrides
@@ -9,6 +10,7 @@ those packages at the versions checked.
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections.abc import Callable
@@ -132,3 +134,84 @@ def on_unregistration(client: Any, handler: Callable[[int], None]) -> bool:
 
     handlers["unregistration_notification"] = on_unregister
     return True
+
+
+# ---------------------------------------------------------------- the standard library's forkserver
+
+
+def forkserver_command(python: str, listener_fd: int, alive_fd: int,
+                       preload: list[str]) -> list[str]:
+    """A process that runs `multiprocessing.forkserver.main`: it imports `preload`, forks a child
+    per connection to the listening socket and exits once `alive_fd` (a pipe) reads EOF."""
+    main = f"main({listener_fd}, {alive_fd}, {preload!r})"
+    return [python, "-c", f"from multiprocessing.forkserver import main; {main}"]
+
+
+class ForkserverChild:
+    """What a process the forkserver forks runs: `run`, whose return value is its exit code."""
+
+    def run(self) -> int:
+        raise NotImplementedError
+
+    def _bootstrap(self, parent_sentinel: int) -> int:
+        """What `multiprocessing.spawn._main` calls in the child once it unpickled this."""
+        os.close(parent_sentinel)  # a copy of the data pipe, read already
+        forget_forkserver_fds()
+        return self.run()
+
+
+def forkserver_fork(address: str, child: ForkserverChild, timeout: float) -> tuple[int, int]:
+    """Have the forkserver at `address` fork a process that runs `child`: a pipe that reads its
+    exit code (`forkserver_exit_code`) once it exited, and its PID."""
+    import pickle
+    import select
+    import socket
+    from multiprocessing import forkserver, reduction
+
+    parent_r, child_w = os.pipe()
+    child_r, parent_w = os.pipe()
+    try:
+        with socket.socket(socket.AF_UNIX) as client, open(os.devnull, "rb") as nothing:
+            client.settimeout(timeout)
+            client.connect(address)
+            # the server's alive pipe and a resource tracker's are the kernel's own: the child
+            # gets /dev/null in their places (`forget_forkserver_fds`)
+            reduction.sendfds(client, [child_r, child_w, nothing.fileno(), nothing.fileno()])
+        if not select.select([parent_r], [], [], timeout)[0]:
+            raise TimeoutError(f"the forkserver forked nothing within {timeout:.0f} s")
+        pid = forkserver.read_signed(parent_r)
+        with open(parent_w, "wb", closefd=False) as data:  # preparation data, then the object
+            data.write(pickle.dumps({}) + pickle.dumps(child))
+    except BaseException:
+        os.close(parent_r)
+        raise
+    finally:
+        for fd in (child_r, child_w, parent_w):
+            os.close(fd)
+    return parent_r, pid
+
+
+def forkserver_exit_code(status_fd: int) -> int:
+    """The exit code the forkserver writes when a child it forked exited (``-SIGNAL`` when
+    killed); EOFError when the server is gone."""
+    from multiprocessing import forkserver
+
+    code: int = forkserver.read_signed(status_fd)
+    return code
+
+
+def forget_forkserver_fds() -> None:
+    """In a forked child: close what the server passed as its alive pipe and resource tracker
+    (`_forkserver._forkserver_alive_fd`, `_resource_tracker._fd`), as a fresh interpreter has
+    neither; a resource tracker is then started on first use, as there."""
+    from multiprocessing import forkserver, resource_tracker
+
+    for holder, name in ((forkserver._forkserver, "_forkserver_alive_fd"),
+                         (resource_tracker._resource_tracker, "_fd")):
+        fd = getattr(holder, name, None)
+        if fd is not None:
+            setattr(holder, name, None)
+            try:
+                os.close(fd)
+            except OSError:
+                pass

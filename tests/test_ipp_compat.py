@@ -177,3 +177,94 @@ def test_a_launcher_subclass_owns_its_wait_thread() -> None:
         launcher.process.wait(10)
     assert not launcher._wait_thread.is_alive()
 
+
+
+# ---------------------------------------------------------------- the standard library's forkserver
+
+
+class _Child(ipp_compat.ForkserverChild):
+    """What the forkserver's child runs here: exits with `code`, or sleeps until killed; it
+    reports, through its exit code, what it inherited."""
+
+    def __init__(self, code: int, sleep: bool = False) -> None:
+        self.code, self.sleep = code, sleep
+
+    def run(self) -> int:
+        import multiprocessing
+        from multiprocessing import forkserver, resource_tracker
+
+        if self.sleep:
+            time.sleep(60)
+        inherited = (forkserver._forkserver._forkserver_alive_fd,
+                     resource_tracker._resource_tracker._fd)
+        if inherited != (None, None) or multiprocessing.current_process().name != "MainProcess":
+            return 99
+        return self.code
+
+
+@pytest.fixture
+def forkserver(tmp_path: Any) -> Any:
+    """A forkserver started through `forkserver_command`, as `ForkServerProcess` starts one: its
+    socket's address; stopped by closing its alive pipe."""
+    import socket
+    import subprocess
+    import sys
+
+    address = str(tmp_path / "fs.sock")
+    alive_r, alive_w = os.pipe()
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(address)
+        listener.listen()
+        command = ipp_compat.forkserver_command(sys.executable, listener.fileno(), alive_r,
+                                                ["json"])
+        server = subprocess.Popen(command, pass_fds=(listener.fileno(), alive_r))
+    os.close(alive_r)
+    try:
+        yield address
+    finally:
+        os.close(alive_w)  # what ends the server: its alive pipe reads EOF
+        assert server.wait(30) == 0
+
+
+def test_forkserver_forks_a_child_and_tells_its_exit_code(forkserver: str) -> None:
+    import psutil
+
+    status, pid = ipp_compat.forkserver_fork(forkserver, _Child(7), timeout=30)
+    try:
+        assert ipp_compat.forkserver_exit_code(status) == 7  # 99: it kept what it inherited
+    finally:
+        os.close(status)
+    status, pid = ipp_compat.forkserver_fork(forkserver, _Child(0, sleep=True), timeout=30)
+    try:
+        assert psutil.Process(pid).ppid() != os.getpid()  # the server's child, not ours
+        os.kill(pid, signal.SIGKILL)
+        assert ipp_compat.forkserver_exit_code(status) == -signal.SIGKILL
+    finally:
+        os.close(status)
+
+
+def test_a_forked_child_holds_neither_alive_pipe_nor_resource_tracker(tmp_path: Any) -> None:
+    """`forget_forkserver_fds` on what a child of the standard library's own forkserver holds
+    (its `_forkserver_alive_fd` and `_resource_tracker._fd`), in a process that is not this one."""
+    import subprocess
+    import sys
+
+    code = (
+        "import os\n"
+        "from multiprocessing import forkserver, resource_tracker\n"
+        "from nbdist import ipp_compat\n"
+        "r, w = os.pipe()\n"
+        "forkserver._forkserver._forkserver_alive_fd, resource_tracker._resource_tracker._fd = r, w\n"
+        "ipp_compat.forget_forkserver_fds()\n"
+        "assert forkserver._forkserver._forkserver_alive_fd is None\n"
+        "assert resource_tracker._resource_tracker._fd is None\n"
+        "for fd in (r, w):\n"
+        "    try:\n"
+        "        os.fstat(fd)\n"
+        "    except OSError:\n"
+        "        continue\n"
+        "    raise AssertionError(f'fd {fd} still open')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -14,9 +17,10 @@ import psutil
 import pytest
 from IPython.core.error import UsageError
 
-from nbdist import Cluster
+from nbdist import Cluster, ipp_compat
 from nbdist.cluster import fork_launcher
 from nbdist.notebook import magics
+from nbdist.worker.engine import ForkedEngine
 
 ALL_REDUCE = "_t = torch.ones(8) * (rank + 1)\ndist.all_reduce(_t)\nfloat(_t[0])"
 TRAIN = """
@@ -60,6 +64,12 @@ def test_engines_are_forked_and_the_server_outlives_a_restart(cluster_factory: A
     # a fork copies the server's random state: numpy's is reseeded in each engine
     draws = _values(cluster, "import numpy as np\nfloat(np.random.rand())")
     assert draws[0] != draws[1]
+    # a rank is no multiprocessing child of the notebook: libraries that branch on it see a main
+    names = _values(cluster, "import multiprocessing as mp\nmp.current_process().name")
+    assert set(names.values()) == {"'MainProcess'"}
+    import multiprocessing
+
+    assert not multiprocessing.active_children()
     assert server in cluster.all_pids()
     # fork safety, seen from outside: the server that engines fork from runs one thread (Python's
     # or a library's) and has not loaded the CUDA driver (which torch loads only to use a GPU)
@@ -68,10 +78,58 @@ def test_engines_are_forked_and_the_server_outlives_a_restart(cluster_factory: A
     assert not [m.path for m in process.memory_maps() if "libcuda.so" in m.path
                 or m.path.startswith("/dev/nvidia")]
     assert {child.pid for child in process.children()} == {p.pid for p in cluster.ranks}
-    # it forks nbdist's engine and nothing else
+    # it forks nbdist's engine and nothing else, for no one else: its socket is the owner's only
+    socket_path = cluster.launch_mode.engines.fork_server.socket_path
+    assert stat.S_IMODE(os.stat(socket_path).st_mode) & 0o077 == 0
     with pytest.raises(fork_launcher.ForkServerUnavailable, match="only starts nbdist.worker"):
-        fork_launcher.fork(cluster.launch_mode.engines.fork_server.socket_path,
-                           {"args": ["python", "-c", "pass"]}, 5.0, bytearray())
+        fork_launcher.fork(socket_path, ForkedEngine(["python", "-c", "pass"], {}, "", ""), 5.0)
+
+
+class _Sleeper(ipp_compat.ForkserverChild):
+    def run(self) -> int:
+        time.sleep(120)
+        return 0
+
+
+_KERNEL = """
+import sys
+import time
+from nbdist import ipp_compat
+from nbdist.cluster.fork_launcher import ForkServerProcess
+from tests.test_warm_cluster import _Sleeper
+server = ForkServerProcess(sys.argv[1], sys.executable)
+_status, engine = ipp_compat.forkserver_fork(server.socket_path, _Sleeper(), 120)
+print(server.pid, engine, flush=True)
+time.sleep(120)
+"""
+
+
+def test_the_fork_server_ends_with_the_kernel_even_while_an_engine_lives(tmp_path: Any) -> None:
+    kernel = subprocess.Popen([sys.executable, "-c", _KERNEL, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    assert kernel.stdout is not None
+    server, engine = map(int, kernel.stdout.readline().split())
+    kernel.stdout.close()
+    try:
+        assert psutil.Process(engine).ppid() == server
+        kernel.kill()
+        kernel.wait(10)
+        deadline = time.monotonic() + 20
+        while _running(server):
+            assert time.monotonic() < deadline, "the fork server outlived its kernel by 20 s"
+            time.sleep(0.05)
+        assert _running(engine)  # the server's end is its own, not its engines' end
+    finally:
+        for pid in (engine, server):
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:  # an orphan may wait as init's zombie
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def test_a_dead_fork_server_means_cold_engines_and_a_message(cluster_factory: Any) -> None:

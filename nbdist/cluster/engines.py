@@ -98,6 +98,7 @@ class Engines:
         if self.fork_server is not None and not self.fork_server.alive():
             self.progress(f"{self.fork_server.why_gone()}\nstarting the engines cold instead")
             self.ipp.engine_launcher_class = "ipyparallel.cluster.launcher.LocalEngineSetLauncher"
+            self.fork_server.reap()
             self.fork_server = None
         try:
             # private: the engines' logs (and the Slurm job's, via its umask)

@@ -1,21 +1,22 @@
-"""Local engines forked from a warm server (`nbdist.worker.fork_server`) instead of started cold,
-as ipyparallel launcher classes: `ForkEngineSetLauncher` is a `LocalEngineSetLauncher` whose
-engines are forked, so ipyparallel's Cluster, its engine sets and nbdist's PID handling stay.
+"""Local engines forked from a warm server instead of started cold, as ipyparallel launcher
+classes: `ForkEngineSetLauncher` is a `LocalEngineSetLauncher` whose engines are forked, so
+ipyparallel's Cluster, its engine sets and nbdist's PID handling stay.
 
-`ForkServerProcess` is the kernel's handle on the server: started beside the controller, kept
-across restarts, stopped by PID with the rest of the cluster. When the server is gone, an engine
+The server is the standard library's forkserver (`multiprocessing.forkserver.main`, reached
+through `nbdist.ipp_compat`), one per cluster: `ForkServerProcess` starts it beside the
+controller, with its own socket, log and preload list, so it shares nothing with the notebook's
+own multiprocessing. It is kept across restarts, stopped by PID with the rest of the cluster, and
+exits by itself when the kernel does (its alive pipe reads EOF). When it is gone, an engine
 launcher says why (`fallback_reason`) and starts its engine cold, as `LocalEngineLauncher` would.
 """
 
 from __future__ import annotations
 
-import json
 import os
+import select
 import socket
 import subprocess
 import sys
-import threading
-import time
 from typing import Any
 
 import psutil
@@ -27,8 +28,10 @@ from ipyparallel.cluster.launcher import (
 from traitlets import Float, Unicode
 from traitlets.config import Config
 
+from nbdist import ipp_compat
 from nbdist.cluster.processes import private_files
 from nbdist.text import tail
+from nbdist.worker.engine import ENGINE_MODULE, FORK_PRELOAD, ForkedEngine
 
 SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"
 """The `engine_launcher_class` a local cluster with a fork server gives ipyparallel."""
@@ -36,92 +39,46 @@ SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"
 POLL_SECONDS = 0.5
 """How often an engine's wait thread looks whether the cluster stopped waiting for it."""
 
+_REAP_SECONDS = 5.0
+"""How long a stopped cluster waits for its fork server to exit once its alive pipe closed."""
+
 
 class ForkServerUnavailable(Exception):
-    """The fork server cannot fork an engine (gone, or it refused); the text says why."""
+    """The fork server cannot fork an engine (gone, or not asked for one); the text says why."""
 
 
-def fork(path: str, request: dict[str, Any], timeout: float,
-         unread: bytearray) -> tuple[socket.socket, int]:
-    """Ask the fork server at `path` for an engine (waiting up to `timeout` for it to listen):
-    the connection, whose next line says how the engine ended, and the engine's PID."""
-    conn = _connect(path, timeout)
+def fork(address: str, engine: ForkedEngine, timeout: float) -> tuple[int, int]:
+    """Ask the fork server at `address` for an engine (waiting up to `timeout` while it imports):
+    a pipe that reads how the engine ended (`ipp_compat.forkserver_exit_code`), and its PID."""
+    if engine.args[1:3] != ["-m", ENGINE_MODULE]:
+        raise ForkServerUnavailable(f"the fork server only starts {ENGINE_MODULE} engines, "
+                                    f"not {engine.args[:3]}")
     try:
-        conn.settimeout(timeout)
-        conn.sendall(json.dumps(request).encode() + b"\n")
-        reply = _read_line(conn, unread)
-        assert reply is not None  # only a stop event makes it None
-        if "error" in reply:
-            raise ForkServerUnavailable(f"the fork server refused: {reply['error']}")
-        return conn, int(reply["pid"])
-    except BaseException:
-        conn.close()
-        raise
-
-
-def _connect(path: str, timeout: float) -> socket.socket:
-    deadline = time.monotonic() + timeout
-    while True:
-        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            conn.connect(path)
-            return conn
-        except OSError as exc:
-            conn.close()
-            if isinstance(exc, ConnectionRefusedError):  # the socket appears once it listens
-                raise ForkServerUnavailable(f"the fork server at {path} is gone (connection "
-                                            "refused)") from None
-            if time.monotonic() > deadline:
-                raise ForkServerUnavailable(f"no fork server listening at {path} ({exc})") from None
-            if not os.path.exists(os.path.dirname(path)):
-                raise ForkServerUnavailable(
-                    f"the fork server's directory {os.path.dirname(path)} is gone") from None
-            time.sleep(0.01)
-
-
-def _read_line(conn: socket.socket, unread: bytearray,
-               stop: threading.Event | None = None) -> dict[str, Any] | None:
-    """One JSON line from the server; what came after it stays in `unread` for the next read.
-    With `stop` (and a timeout on `conn`), None once `stop` is set; without, the timeout raises."""
-    while b"\n" not in unread:
-        if stop is not None and stop.is_set():
-            return None
-        try:
-            chunk = conn.recv(65536)
-        except TimeoutError:
-            if stop is None:
-                raise
-            continue
-        if not chunk:
-            raise ForkServerUnavailable("the fork server closed the connection (it exited)")
-        unread += chunk
-    line, _, rest = bytes(unread).partition(b"\n")
-    unread[:] = rest
-    result: dict[str, Any] = json.loads(line)
-    return result
+        return ipp_compat.forkserver_fork(address, engine, timeout)
+    except (ConnectionRefusedError, FileNotFoundError, EOFError) as exc:
+        raise ForkServerUnavailable(f"the fork server at {address} is gone "
+                                    f"({type(exc).__name__})") from None
 
 
 class ForkEngineLauncher(LocalEngineLauncher):
     """One engine, forked by the fork server; a cold start when the server cannot fork it."""
 
     fork_socket = Unicode("", config=True, help="The fork server's Unix socket.")
-    fork_timeout = Float(90.0, config=True, help="Seconds to wait for the fork server to listen.")
+    fork_timeout = Float(90.0, config=True, help="Seconds to wait for the fork server to fork.")
     fallback_reason = ""
     """Why this engine was started cold instead of forked ('' when it was forked)."""
-    _conn: socket.socket | None = None  # to the server while the engine lives
+    _status: int | None = None  # the pipe the server writes the engine's exit code to
 
     def start(self) -> None:
         if self.state != "before":
             raise ProcessStateError(f"The process was already started and has state: {self.state}")
         env = os.environ.copy()
         env.update(self.get_env())
-        request = {"args": list(self.args), "env": env, "cwd": self.work_dir,
-                   "log": self.output_file}
-        self._unread = bytearray()
+        engine = ForkedEngine(list(self.args), env, self.work_dir, self.output_file)
         try:
             if not self.fork_socket:
                 raise ForkServerUnavailable("no fork server was started for this cluster")
-            self._conn, self.pid = fork(self.fork_socket, request, self.fork_timeout, self._unread)
+            self._status, self.pid = fork(self.fork_socket, engine, self.fork_timeout)
         except (ForkServerUnavailable, OSError, ValueError) as exc:
             self.fallback_reason = str(exc)
             super().start()
@@ -131,18 +88,19 @@ class ForkEngineLauncher(LocalEngineLauncher):
         self._start_waiting()
 
     def _wait(self) -> None:
-        if self._conn is None:
+        if self._status is None:
             super()._wait()
             return
         exit_code: Any = None
         try:
-            self._conn.settimeout(POLL_SECONDS)  # wakes the wait to see _stop_waiting
-            reply = _read_line(self._conn, self._unread, stop=self._stop_waiting)
-            exit_code = reply["exit_code"] if reply is not None else None
-        except (ForkServerUnavailable, OSError, ValueError):
+            while not self._stop_waiting.is_set():  # woken to see _stop_waiting
+                if select.select([self._status], [], [], POLL_SECONDS)[0]:
+                    exit_code = ipp_compat.forkserver_exit_code(self._status)
+                    break
+        except (EOFError, OSError):
             exit_code = self._wait_by_polling()  # the server is gone: no status to be had
         finally:
-            self._conn.close()
+            os.close(self._status)
         stop_data = {"exit_code": exit_code, "pid": self.pid, "identifier": self.identifier}
         self.loop.add_callback(lambda: self.notify_stop(stop_data))
 
@@ -175,10 +133,24 @@ class ForkServerProcess:
         """Start the server; returns at once (it imports torch meanwhile)."""
         self.socket_path = os.path.join(workdir, "fork-server.sock")
         self.log_path = os.path.join(workdir, "fork-server.log")
-        with open(self.log_path, "ab") as log, open(os.devnull, "rb") as stdin:
-            self.process = subprocess.Popen(
-                [python, "-m", "nbdist.worker.fork_server", self.socket_path],
-                stdout=log, stderr=subprocess.STDOUT, stdin=stdin, start_new_session=True)
+        # the server exits once this pipe reads EOF: when the cluster stops or the kernel dies
+        alive_r, alive_w = os.pipe()
+        self._alive_w: int | None = alive_w
+        with socket.socket(socket.AF_UNIX) as listener, open(self.log_path, "ab") as log, \
+                open(os.devnull, "rb") as stdin:
+            listener.bind(self.socket_path)
+            listener.listen()
+            command = ipp_compat.forkserver_command(python, listener.fileno(), alive_r,
+                                                    FORK_PRELOAD)
+            try:
+                self.process = subprocess.Popen(
+                    command, pass_fds=(listener.fileno(), alive_r), stdout=log,
+                    stderr=subprocess.STDOUT, stdin=stdin, start_new_session=True)
+            except BaseException:
+                os.close(alive_w)
+                raise
+            finally:
+                os.close(alive_r)
         self.pid = self.process.pid
         try:
             self.create_time = psutil.Process(self.pid).create_time()
@@ -206,8 +178,15 @@ class ForkServerProcess:
         return f"the fork server (pid {self.pid}) {how}" + (f":\n{log}" if log.strip() else "")
 
     def reap(self) -> None:
-        """Collect the server's exit status once it is stopped (no zombie left)."""
-        self.process.poll()
+        """Let the server go, if it still runs, and collect its exit status (no zombie left)."""
+        if self._alive_w is not None:
+            os.close(self._alive_w)
+            self._alive_w = None
+        try:
+            self.process.wait(timeout=_REAP_SECONDS)
+        except subprocess.TimeoutExpired:  # still importing: it reads that pipe only afterwards
+            self.process.kill()
+            self.process.wait()
 
 
 def start_fork_server(config: Config, workdir: str, wait: float) -> ForkServerProcess:

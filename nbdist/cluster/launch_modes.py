@@ -167,7 +167,7 @@ class _OwnedEngines(LaunchMode):
 
 
 class LocalMode(_OwnedEngines):
-    """Engines on this machine, forked from nbdist's warm fork server (or started cold): each is
+    """Engines on this machine, forked from the cluster's fork server (or started cold): each is
     owned, signalled and stopped by PID, and a dead one can be replaced alone."""
 
     early_engines = True

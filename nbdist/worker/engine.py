@@ -1,7 +1,8 @@
 """Entry point of an nbdist engine: an ordinary ipyparallel engine that imports torch meanwhile.
 
 Importing torch takes seconds; starting it on a thread lets it overlap with the engine's own
-start-up and registration, so the rank bootstrap finds it already loaded.
+start-up and registration, so the rank bootstrap finds it already loaded. A local engine forked
+from the cluster's fork server starts as a `ForkedEngine`, which sets it up as Popen would have.
 """
 
 from __future__ import annotations
@@ -10,8 +11,21 @@ import faulthandler
 import os
 import sys
 import threading
+from dataclasses import dataclass
 
+from nbdist import ipp_compat
 from nbdist.worker import release
+
+FORK_PRELOAD = [
+    "torch", "torch.distributed", "numpy", "psutil", "zmq", "tornado.ioloop",
+    "IPython.core.interactiveshell", "ipykernel.ipkernel", "ipyparallel.engine.app",
+    "ipyparallel.engine.kernel", "ipyparallel.serialize", "nbdist.worker.release",
+    "nbdist.worker.bootstrap", "nbdist.worker.engine",
+]
+"""What the fork server imports once, so that every engine forked from it finds it loaded."""
+
+ENGINE_MODULE = "nbdist.worker.engine"
+"""The module an engine runs as ``__main__`` (``python -m nbdist.worker.engine``), forked or not."""
 
 
 def _preload() -> None:
@@ -51,6 +65,53 @@ def main() -> None:
     from ipyparallel.engine.app import main as engine_main
 
     engine_main()
+
+
+@dataclass(frozen=True)
+class ForkedEngine(ipp_compat.ForkserverChild):
+    """An engine the fork server forks: what Popen would have given it (argv, environment,
+    directory, log), applied in the child before the engine runs."""
+
+    args: list[str]
+    env: dict[str, str]
+    cwd: str
+    log: str
+
+    def run(self) -> int:
+        code = 1
+        try:
+            self._become_engine()
+            import runpy
+
+            runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:
+                    pass
+        return code
+
+    def _become_engine(self) -> None:
+        # its own session: a stop button in the notebook never reaches it
+        os.setsid()
+        log = os.open(self.log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        os.chdir(self.cwd or ".")
+        os.environ.clear()
+        os.environ.update(self.env)
+        sys.argv = [self.args[0], *self.args[3:]]
+        if "numpy" in sys.modules:  # seeded once, in the server: every engine would draw alike
+            sys.modules["numpy"].random.seed()
 
 
 if __name__ == "__main__":
