@@ -250,6 +250,27 @@ def test_recent_collectives_side_by_side_and_the_trace_torchs_analyser_reads(clu
     assert [(g.desc, g.size) for g in db.groups] == [("default group", 2)], db.groups
 
 
+def test_recent_collectives_without_the_flight_recorder(fast_config, assert_all_gone):
+    """torch before 2.13, or the buffer turned off: the table comes from what the cells called
+    (tutorial 10 showed a UsageError there instead, on torch 2.11)."""
+    config = fast_config.replace(flight_recorder_entries=0)
+    cluster = Cluster(n=2, config=config).start()
+    try:
+        cluster.run("dist.all_reduce(torch.ones(5))\ng = dist.new_group([0, 1])\n"
+                    "dist.broadcast(torch.ones(7, dtype=torch.int64), src=0, group=g)\n"
+                    ).raise_for_errors()
+        table = repr(cluster.collectives(limit=4))
+        # seq 1 of the default group is nbdist's own check of the new group, as in the recorder
+        assert re.search(r"default group\s+2\s+all_reduce \[5\]\s+all_reduce \[5\]", table), table
+        assert re.search(r"group \(ranks 0, 1\)\s+1\s+broadcast \[7\]\s+broadcast \[7\]",
+                         table), table
+        cluster.run("if rank == 0:\n    dist.all_reduce(torch.ones(3))", timeout=3)
+        table = repr(cluster.collectives(limit=4))  # the group was rebuilt: its record restarts
+        assert "all_reduce [5]" not in table, table
+    finally:
+        assert_all_gone(cluster.stop())
+
+
 def test_a_ddp_model_on_a_group_the_cell_destroyed_fails_fast_instead_of_hanging(
         cluster2: Cluster):
     # a pasted script's destroy_process_group(): nbdist re-forms the world, but a DDP model built

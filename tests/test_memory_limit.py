@@ -79,6 +79,21 @@ def test_an_oom_is_told_from_other_errors():
     dead = RankError(rank=1, kind="dead", ename="RankDied", evalue="signal 6 (SIGABRT)")
     assert not is_out_of_memory(dead, "Fatal Python error: Aborted")
     assert is_out_of_memory(dead, "terminate called after throwing an instance of 'std::bad_alloc'")
+    assert is_out_of_memory(dead, "libgomp: Thread creation failed: Resource temporarily unavailable")
+
+
+def test_intra_op_threads_are_not_charged_to_a_small_budget(fast_config, assert_all_gone):
+    """OpenMP starts its threads on first use and each stack counts as data: before they were
+    started ahead of the limit, a first parallel op under a small budget ended the rank with
+    "libgomp: Thread creation failed" (seen with 8 threads per rank on a 16-core GPU host)."""
+    # 16 threads: 15 stacks of 8 MiB are more than the smallest budget
+    cluster = Cluster(n=1, threads=16, config=fast_config, memory_limit="64MiB").start()
+    try:
+        code = "x = torch.ones(2**19)\nx.add_(1)\n(torch.get_num_threads(), float(x.sum()))"
+        result = cluster.run(code, timeout=60).raise_for_errors()
+        assert result.grouped_values() == [([0], "(16, 1048576.0)")]
+    finally:
+        assert_all_gone(cluster.stop())
 
 
 # --- real ranks under a 256 MiB budget ------------------------------------------------------------

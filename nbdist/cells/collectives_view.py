@@ -23,8 +23,9 @@ TRACE_PREFIX = "nbdist_fr_rank"
 
 
 def recent_collectives(cluster: ClusterCore, limit: int = 8) -> dict[int, list[EnteredCollective]]:
-    """Rank -> its last `limit` collectives. A rank busy in a cell cannot answer: its latest
-    telemetry reading (per group, the collective it waits in) stands in."""
+    """Rank -> its last `limit` collectives (torch's flight recorder, else nbdist's own record). A
+    rank busy in a cell cannot answer: its latest telemetry reading (per group, the collective it
+    waits in) stands in."""
     answers = cluster.call(bootstrap.recent_collectives, limit,
                            timeout=cluster.config.faults.cell_report_timeout)
     found: dict[int, list[EnteredCollective]] = {}
@@ -37,8 +38,7 @@ def recent_collectives(cluster: ClusterCore, limit: int = 8) -> dict[int, list[E
         if entries is not None:
             found[rank] = list(entries)
     if not found and cluster.ranks:
-        raise NbdistError("no rank has a flight recorder to read: it records gloo collectives "
-                          "from torch 2.8 on (see docs/FAULTS.md)")
+        raise NbdistError("no rank answered: each is busy in a cell or dead (%dist_status)")
     return found
 
 

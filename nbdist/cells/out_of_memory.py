@@ -12,7 +12,8 @@ from nbdist.text import format_bytes
 
 _OOM_NAMES = {"MemoryError", "OutOfMemoryError"}
 _OOM_TEXT = re.compile(
-    r"can't allocate memory|cannot allocate memory|out of memory|std::bad_alloc|\bMemoryError\b",
+    r"can't allocate memory|cannot allocate memory|out of memory|std::bad_alloc|\bMemoryError\b"
+    r"|thread creation failed",  # libgomp: a new thread's stack did not fit under RLIMIT_DATA
     re.IGNORECASE)
 
 

@@ -303,9 +303,12 @@ def cell_report() -> dict[str, Any]:
     }
 
 
-def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective] | None:
-    """The last `limit` collectives this rank entered (None without the flight recorder)."""
-    return flight_recorder.entries()[-limit:] if flight_recorder.available() else None
+def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective]:
+    """The last `limit` collectives this rank entered: torch's flight recorder where it can be
+    read, else those its cells called (nbdist's own record)."""
+    if flight_recorder.available():
+        return flight_recorder.entries()[-limit:]
+    return collectives.TRACKER.entries()[-limit:]
 
 
 def collectives_trace(stacks: bool) -> bytes:

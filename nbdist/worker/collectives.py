@@ -12,6 +12,7 @@ import os
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -24,6 +25,13 @@ COLLECTIVES = (
     "gather", "gather_object", "reduce", "reduce_scatter", "reduce_scatter_tensor", "scatter",
     "scatter_object_list", "send", "recv",
 )
+
+HISTORY = 64  # collectives a rank keeps for %dist_status --collectives without a flight recorder
+
+_DTYPES = {"torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half",
+           "torch.bfloat16": "BFloat16", "torch.int64": "Long", "torch.int32": "Int",
+           "torch.int16": "Short", "torch.int8": "Char", "torch.uint8": "Byte",
+           "torch.bool": "Bool"}  # the flight recorder's names for them
 
 PROFILE_PREFIX = "nbdist.collective:"  # a profiled call's range: "<prefix><name>|<group name>"
 
@@ -82,6 +90,9 @@ class CollectiveTracker:
     def __init__(self) -> None:
         self.main_thread_id = threading.main_thread().ident
         self.profiling = False  # a profile runs: each call is a named range in it
+        self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        self._sequence: dict[str, int] = {}
+        self._generation = 0.0
         self.reset_cell()
 
     def reset_cell(self) -> None:
@@ -104,9 +115,11 @@ class CollectiveTracker:
             self.count += 1
             self.current = call = CollectiveCall(name, user_location(sys._getframe(1)), time.time())
             self._depth += 1
+            entry = self._remember(name, group, args, call.since)
             ticket = TIMING.before(name, group, _argument(args, kwargs, "async_op", async_at))
             try:
                 result = self._profiled(name, group, fn, args, kwargs)
+                entry["completed"] = True
                 if ticket is not None:
                     TIMING.after(ticket, name)
                 return result
@@ -124,6 +137,39 @@ class CollectiveTracker:
 
         tracked.__nbdist_original__ = fn  # type: ignore[attr-defined]
         return tracked
+
+    def _remember(self, name: str, group: Any, args: tuple[Any, ...],
+                  since: float) -> dict[str, Any]:
+        """Note the call as the flight recorder would (its group's sequence id, input sizes):
+        what `entries` shows where torch's recorder cannot be read."""
+        import torch
+        import torch.distributed as dist
+
+        from nbdist.worker import process_group
+
+        if self._generation != process_group.GENERATION_STARTED:  # a new group counts from 1
+            self._generation = process_group.GENERATION_STARTED
+            self.history.clear()
+            self._sequence.clear()
+        label = "default group"
+        with contextlib.suppress(Exception):  # a group being torn down: the default label
+            if group is not None and group is not dist.group.WORLD:
+                label = f"group (ranks {', '.join(map(str, dist.get_process_group_ranks(group)))})"
+        seq = self._sequence[label] = self._sequence.get(label, 0) + 1
+        tensors = [a for a in args if isinstance(a, torch.Tensor)] or [
+            t for a in args if isinstance(a, list | tuple)
+            for t in a if isinstance(t, torch.Tensor)]
+        entry = {"group": label, "seq": seq, "op": name, "since": since, "completed": False,
+                 "sizes": tuple(tuple(t.shape) for t in tensors),
+                 "dtypes": tuple(_DTYPES.get(str(t.dtype), str(t.dtype)) for t in tensors)}
+        self.history.append(entry)
+        return entry
+
+    def entries(self) -> list[Any]:
+        """The collectives this rank's main thread called in the current group, oldest first."""
+        from nbdist.worker.flight_recorder import EnteredCollective
+
+        return [EnteredCollective(**e) for e in self.history]
 
     def _profiled(self, name: str, group: Any, fn: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Any:

@@ -237,12 +237,22 @@ def apply_memory_limit(limit: int | None, device: Any) -> None:
         # glibc: every block of 128 KiB or more its own mmap, unmapped when freed; by default the
         # threshold rises after the first large free and freed tensors stay counted in the heap
         libc().mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+    _start_intra_op_threads()  # their stacks are start-up's, not the cell's budget
     baseline = read_status("VmData")["VmData"]  # private writable mappings: what the limit counts
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     soft = baseline + limit if hard == resource.RLIM_INFINITY else min(baseline + limit, hard)
     # the soft limit only: the rank (or nbdist) may lift it again; a budget, not a sandbox
     resource.setrlimit(resource.RLIMIT_DATA, (soft, hard))
     STATE.update(mechanism="RLIMIT_DATA", limit=limit, baseline=baseline, soft_limit=soft)
+
+
+def _start_intra_op_threads() -> None:
+    """Run one op on every intra-op thread: OpenMP starts them on first use, and a thread's stack
+    (8 MiB each by default) counts as data, so libgomp's thread creation would otherwise fail
+    under a small budget on a host with many cores."""
+    import torch
+
+    torch.ones(torch.get_num_threads() * 2**15).add_(1)  # 2**15: at::parallel_for's grain size
 
 
 def memory_budget() -> dict[str, Any]:
