@@ -9,12 +9,12 @@ import socket
 from typing import Any
 
 from nbdist import ipp_compat
-from nbdist.cluster import watchdog
 from nbdist.cluster.gather import short_error
 from nbdist.cluster.launchers import warn_unauthenticated_rendezvous
 from nbdist.cluster.ranks import RankSpec
 from nbdist.errors import ClusterStartError
 from nbdist.worker import net
+from nbdist.worker.process_tree import same_process
 
 
 class Rendezvous:
@@ -118,7 +118,7 @@ def is_local_engine(probe: dict[str, Any]) -> bool:
         return False
     if probe.get("boot_id") != net.boot_id():
         return False
-    return watchdog.same_process(int(probe["pid"]), float(probe["create_time"])) is not None
+    return same_process(int(probe["pid"]), float(probe["create_time"])) is not None
 
 
 def controller_host(client: Any) -> str | None:
