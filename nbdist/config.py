@@ -209,11 +209,9 @@ class InternalConfig:
     exit_status_poll_interval: float = 0.01
     """How often poll_dead looks again for that exit status."""
 
-    watchdog_interval: float = 0.5
-    """How often the orphan watchdog checks that the notebook kernel is still alive."""
-
     orphan_kill_grace: float = 2.0
-    """Once the kernel is gone, seconds the watchdog gives orphaned processes after SIGTERM."""
+    """Once the notebook kernel is gone: seconds a rank on another machine waits for its cell
+    channel to come back before it ends itself, and seconds its children get after SIGTERM."""
 
     telemetry_start_delay: float = 0.05
     """A cell's start payload leaves only if the cell still runs this long after it began."""

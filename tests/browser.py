@@ -81,7 +81,7 @@ def lab_server(root: Path, *options: str, frontend: str = "lab") -> Iterator[str
                 time.sleep(0.25)
         yield f"{url}?token={token}"
     finally:
-        server.terminate()  # by PID: it shuts its kernels down, whose watchdogs end the engines
+        server.terminate()  # by PID: it shuts its kernels down; engines end with their kernel
         try:
             server.wait(timeout=20)
         except subprocess.TimeoutExpired:

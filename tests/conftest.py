@@ -64,9 +64,20 @@ def _assert_all_gone(pids: list[int], within: float = 10.0) -> None:
             procs.append(psutil.Process(pid))
         except psutil.NoSuchProcess:
             continue
-    _gone, alive = psutil.wait_procs(procs, timeout=within)
-    alive = [p for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    deadline = time.monotonic() + within
+    while True:  # a zombie has exited: an orphan's may wait a while for init to reap it
+        _gone, alive = psutil.wait_procs(procs, timeout=0.01)
+        alive = [p for p in alive if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            break
     assert not alive, f"processes still running: {[(p.pid, p.cmdline()[:3]) for p in alive]}"
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 @pytest.fixture(scope="session")

@@ -342,23 +342,35 @@ def test_row13_200kb_of_stderr_never_blocks(cluster: Cluster, fast_config):
 
 
 def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
+    # rank 0 blocked in all_reduce, rank 1 asleep, each with a child of its own: no cleanup code
+    # runs in the killed kernel, so each process must see it go by itself
     script = tmp_path / "kernel.py"
     script.write_text(
-        "import sys, time\n"
+        "import threading\n"
         "from nbdist import Cluster\n"
         "c = Cluster(n=2).start()\n"
-        "print(' '.join(map(str, c.all_pids())), flush=True)\n"
-        "time.sleep(600)\n"
+        "c.run(\"import subprocess\\nchild = subprocess.Popen(['sleep', '600']).pid\").raise_for_errors()\n"
+        "pids = c.all_pids() + list(c.pull('child').values())\n"
+        "threading.Timer(1.5, lambda: print(c.workdir, *pids, flush=True)).start()\n"
+        "c.run('import time\\nif rank == 0:\\n    dist.all_reduce(torch.ones(1))\\n'\n"
+        "      'else:\\n    time.sleep(600)', timeout=600)\n"
     )
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         line = proc.stdout.readline()
-        pids = [int(p) for p in line.split()]
-        assert len(pids) >= 4, line
+        workdir, *pids = line.split()
+        pids = [int(p) for p in pids]
+        assert len(pids) >= 6, line  # controller and its family, fork server, 2 engines, 2 sleeps
+        running = [psutil.Process(pid) for pid in pids]
+        assert all(p.status() != psutil.STATUS_ZOMBIE for p in running)
         proc.kill()
+        killed = time.perf_counter()
         proc.wait(timeout=10)
         assert_all_gone(pids, within=10)
+        assert not os.path.exists(workdir)
+        print(f"all {len(pids)} processes gone {time.perf_counter() - killed:.2f} s after the "
+              "kernel's SIGKILL")
     finally:
         if proc.poll() is None:
             proc.kill()

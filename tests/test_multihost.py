@@ -217,3 +217,45 @@ def test_one_host_killed_is_reported_and_restart_brings_it_back(cluster: Cluster
     cluster.run(ALL_REDUCE, timeout=60).raise_for_errors()
     assert cluster.pull("t") == {r: torch.tensor([10.0]) for r in range(4)}
     _check_layout(cluster, network)
+
+
+def test_kernel_killed_ends_the_engines_on_every_host(network: Network, tmp_path):
+    """No cleanup runs in a SIGKILLed kernel and the engines on the hosts are not its to kill by
+    PID: each sees its cell channel's notebook end go and ends itself, its children with it."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "from nbdist import Cluster, NbdistConfig\n"
+        f"c = Cluster(n=4, launcher='ssh', launcher_options={ssh_launcher_options(network)!r},\n"
+        "            config=NbdistConfig(engine_start_timeout=120.0)).start()\n"
+        "c.run(\"import subprocess\\nchild = subprocess.Popen(['sleep', '600']).pid\").raise_for_errors()\n"
+        "print('PIDS', *[p.pid for p in c.ranks], *c.pull('child').values(), flush=True)\n"
+        "import time; time.sleep(600)\n")
+    others = {pid for h in network.hosts for pid in network.pids_in(h)}  # sshd, other clusters
+    kernel = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "PYTHONPATH": SOURCE})
+    try:
+        line = next(line for line in kernel.stdout if line.startswith("PIDS"))
+        engines = [int(p) for p in line.split()[1:]]
+        on_hosts = {pid for h in network.hosts for pid in network.pids_in(h)}
+        assert len(engines) == 8 and set(engines) <= on_hosts, (engines, on_hosts)
+        kernel.kill()
+        killed = time.perf_counter()
+        kernel.wait(timeout=10)
+        deadline = time.monotonic() + 20
+        left: list[int] = []
+        while time.monotonic() < deadline:
+            left = [pid for h in network.hosts for pid in network.pids_in(h)
+                    if pid not in others and psutil.pid_exists(pid)
+                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+            if not left:
+                break
+            time.sleep(0.1)
+        assert not left, f"left on the hosts after the kernel's SIGKILL: {left}"
+        print(f"every process on the hosts gone {time.perf_counter() - killed:.2f} s after the "
+              "kernel's SIGKILL")
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()

@@ -676,7 +676,7 @@ def test_a_process_forking_while_it_is_stopped_leaves_no_child(subreaper):
     import sys
     import time
 
-    from nbdist.cluster import watchdog
+    from nbdist.worker import process_tree
 
     left_behind = 0
     for i in range(60):
@@ -684,7 +684,7 @@ def test_a_process_forking_while_it_is_stopped_leaves_no_child(subreaper):
         forker = subprocess.Popen([sys.executable, "-c", _FORKER], stdout=subprocess.PIPE)
         assert forker.stdout is not None and forker.stdout.readline()
         time.sleep(0.02 + (i % 7) * 0.003)  # stop it at a different point of its loop each time
-        watchdog.terminate_all([(forker.pid, psutil.Process(forker.pid).create_time())], grace=2.0)
+        process_tree.terminate_all([(forker.pid, psutil.Process(forker.pid).create_time())], grace=2.0)
         forker.wait()
         forker.stdout.close()
         new = [psutil.Process(pid) for pid in _children() - before]

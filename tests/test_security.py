@@ -175,7 +175,7 @@ def _kinds(seen: dict[str, int]) -> set[str]:
     patterns = {"key": "profile/security/ipcontroller-*-client.json",
                 "engine log": "profile/log/ipengine-*.log",
                 "controller log": "profile/log/ipcontroller-*.log",
-                "store": "store-generation-*", "pid file": "pids.json"}
+                "store": "store-generation-*"}
     return {kind for kind, pattern in patterns.items() if fnmatch.filter(seen, pattern)}
 
 
@@ -191,7 +191,7 @@ def test_files_are_owner_only_from_creation_and_user_files_keep_the_umask(cluste
     rebuild (new store file) and after a restart (new engines, new logs)."""
     umask = _current_umask()
     assert _kinds(_assert_owner_only(cluster.workdir)) == {
-        "key", "engine log", "controller log", "store", "pid file"}
+        "key", "engine log", "controller log", "store"}
     cluster.rebuild_process_group()
     assert f"store-generation-{cluster.generation}" in _assert_owner_only(cluster.workdir)
     old_logs = set(glob.glob(os.path.join(cluster.workdir, "profile", "log", "ipengine-*.log")))

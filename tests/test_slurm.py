@@ -247,9 +247,9 @@ def test_node_failure_mid_cell_is_reported_as_node_fail(slurm_env, fast_config) 
     _assert_nothing_left(slurm_env)
 
 
-def test_kernel_killed_cancels_its_job(slurm_env, tmp_path) -> None:
-    """The notebook kernel SIGKILLed: its watchdog scancels the engines' job (they run under
-    slurmstepd, not ours to kill by PID), so squeue is empty soon after."""
+def test_kernel_killed_ends_its_job(slurm_env, tmp_path) -> None:
+    """The notebook kernel SIGKILLed: the engines (under slurmstepd, not ours to kill by PID) see
+    their cell channel's notebook end go and exit, so the job ends and squeue is empty soon after."""
     options = {"partition": slurm_env.partition, "timelimit": "10", **LOOPBACK}
     script = tmp_path / "kernel.py"
     script.write_text(
@@ -273,7 +273,7 @@ def test_kernel_killed_cancels_its_job(slurm_env, tmp_path) -> None:
             time.sleep(0.2)
         print(f"kernel SIGKILL -> squeue empty: {time.perf_counter() - killed:.1f} s "
               f"(job {job_id} {_job_state(job_id)})")
-        assert _job_state(job_id) == "CANCELLED"
+        assert _job_state(job_id) == "COMPLETED"  # its engines exited: nothing cancelled it
     finally:
         if kernel.poll() is None:
             kernel.kill()

@@ -1,17 +1,14 @@
 """How nbdist reads a Slurm job's end from `scontrol show job -o` (lines as Slurm 22.05 printed them
-for the engines' job under tests/slurm_cluster.py), and the watchdog's cancel commands. No
-scheduler needed: the live runs are in test_slurm.py (pytest -m slurm)."""
+for the engines' job under tests/slurm_cluster.py). No scheduler needed: the live runs are in
+test_slurm.py (pytest -m slurm)."""
 
 from __future__ import annotations
 
 import subprocess
-import sys
-from pathlib import Path
 
-import psutil
 import pytest
 
-from nbdist.cluster import slurm, watchdog
+from nbdist.cluster import slurm
 
 # a real line, the fields around the ones nbdist reads cut short
 LINE = ("JobId=12 JobName=ipengine-1795445126-3ck1 UserId=root(0) Priority=4294901748 Nice=0 "
@@ -54,16 +51,3 @@ def test_unknown_job_and_unreachable_slurm_differ(monkeypatch) -> None:
     assert slurm.query("12") == slurm.JobState("", "", "")
     _answer(monkeypatch, "", "slurm_load_jobs error: Unable to contact slurm controller\n", rc=1)
     assert slurm.query("12") is None
-
-
-def test_watchdog_runs_the_cancel_commands_when_the_kernel_dies(tmp_path: Path) -> None:
-    kernel = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    created = psutil.Process(kernel.pid).create_time()
-    pidfile, marker = tmp_path / "pids.json", tmp_path / "cancelled"
-    command = [sys.executable, "-c", f"open({str(marker)!r}, 'w').write('12')"]
-    watchdog.write_pidfile(str(pidfile), [], [command])
-    assert watchdog.read_pidfile(str(pidfile)) == ([], [command])
-    kernel.kill()
-    kernel.wait()
-    watchdog.watch(kernel.pid, created, str(pidfile), str(tmp_path / "workdir"), interval=0.05)
-    assert marker.read_text() == "12"

@@ -1,8 +1,8 @@
 """The cluster layer: engine processes (ipyparallel launchers), the rank table, rendezvous, the
-process group's generations, liveness, the orphan watchdog and the telemetry hub.
+process group's generations, liveness and the telemetry hub.
 
-The package imports nothing itself: `python -m nbdist.cluster.watchdog` starts beside every
-cluster and must stay light (no ipyparallel).
+The package imports nothing itself: `python -m nbdist.cluster.controller` starts every cluster's
+controller and imports only what ipyparallel's controller needs.
 """
 
 import importlib

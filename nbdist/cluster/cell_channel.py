@@ -19,6 +19,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+import psutil
+
 from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.gather import Gathered, rank_error
 from nbdist.cluster.ranks import RankProcess
@@ -64,6 +66,7 @@ class NotebookChannel:
         from jupyter_client.session import Session
 
         self._zmq = zmq
+        self._create_time = psutil.Process().create_time()
         self.session = Session(key=key, signature_scheme=signature_scheme, check_pid=False)
         self.context = zmq.Context()
         self.bind_host = bind_host
@@ -96,8 +99,11 @@ class NotebookChannel:
                                         name="nbdist-cell-channel", daemon=True)
         self._reader.start()
 
-    def setup_for(self, bind_host: str) -> ChannelSetup:
-        return ChannelSetup(self.address, bind_host, self.public_key)
+    def setup_for(self, bind_host: str, ends_with_kernel: bool) -> ChannelSetup:
+        """A rank's setup; `ends_with_kernel`: it ends itself once this process is gone (engines
+        nbdist started; never an attached cluster's)."""
+        kernel = (os.getpid(), self._create_time) if ends_with_kernel else None
+        return ChannelSetup(self.address, bind_host, self.public_key, kernel)
 
     def new_token(self) -> str:
         return f"{self._prefix}-{next(self._tokens)}"
@@ -285,6 +291,8 @@ class NotebookChannel:
                       file=sys.__stderr__)
 
     def close(self) -> None:
+        """Close every socket. The ranks nbdist started end themselves once the PULL is gone
+        and this kernel too, or, on another machine, at once: close it after they stopped."""
         self._wake.send(b"stop")
         self._reader.join(CLOSE_TIMEOUT)
         if self.on_comm is not None:

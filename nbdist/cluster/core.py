@@ -199,20 +199,18 @@ class ClusterCore:
         return rank_setup.setup_ranks(
             client, specs, probes, threads, [p.spec.engine_id for p in living], port=port,
             generation=self.generation, rendezvous=self.rendezvous, config=self.config,
-            workdir=self.workdir, channel=self.cell_channel)  # type: ignore[arg-type]
+            workdir=self.workdir, channel=self.cell_channel,  # type: ignore[arg-type]
+            ends_with_kernel=self.launch_mode.owns_engines)
 
     def _settled(self, new_ids: list[int]) -> None:
-        """New ranks are set up: the watchdog's pid file names them, their collectors freeze."""
-        self.launch_mode.write_pidfile(self.ranks)
+        """New ranks are set up: their collectors freeze; the controller's children are noted."""
+        self._processes.remember_controller_children()
         rank_setup.freeze_collectors(self.launch_mode.client, new_ids,
                                      self.config.start.bootstrap_timeout)
 
     def all_pids(self) -> list[int]:
-        """Every process this cluster started (controller, engines, nannies, watchdog)."""
-        pids = [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]
-        if self._processes.watchdog is not None:
-            pids.append(self._processes.watchdog.pid)
-        return pids
+        """Every process this cluster started (controller, engines, nannies, fork server)."""
+        return [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]
 
     def poll_dead(self) -> dict[int, str]:
         """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc."""
@@ -354,11 +352,10 @@ class ClusterCore:
         return pids
 
     def _teardown_processes(self) -> None:
-        if self.cell_channel is not None:
+        self.launch_mode.stop(self.ranks)
+        if self.cell_channel is not None:  # after the ranks: without it they would end themselves
             self.cell_channel.close()
         self.cell_channel = None
-        self.launch_mode.stop(self.ranks)
-        self._processes.stop_watchdog()
         self._processes.remove_workdir()
         for proc in self.ranks:
             self.mark_dead(proc.spec.rank, "stopped", notify=False)

@@ -14,7 +14,8 @@ from subprocess import CalledProcessError
 from typing import Any
 
 from nbdist import ipp_compat
-from nbdist.cluster import slurm, watchdog
+from nbdist.cluster import slurm
+from nbdist.cluster.controller import controller_command
 from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess, start_fork_server
 from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import (
@@ -24,11 +25,18 @@ from nbdist.cluster.launchers import (
     engine_set_launchers,
     has_local_pid,
 )
-from nbdist.cluster.processes import OwnedProcesses, Pid, private_files, process_trees
+from nbdist.cluster.processes import (
+    OwnedProcesses,
+    Pid,
+    private_files,
+    process_trees,
+    write_private,
+)
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.text import tail
 from nbdist.worker.engine import USER_UMASK_ENV
+from nbdist.worker.process_tree import terminate_all
 
 ExitHandler = Callable[[dict[str, Any]], None]
 """Called with ipyparallel's stop data ({"pid": ..., "exit_code": ...}) when an engine exits."""
@@ -57,7 +65,7 @@ class Engines:
         return self.processes.config
 
     def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
-        """Controller, orphan watchdog and n engines; the connected client once they registered.
+        """Controller and n engines; the connected client once they registered.
         `early_engines` start with the controller and wait for a copy of its connection file."""
         import ipyparallel as ipp
 
@@ -72,6 +80,7 @@ class Engines:
                     self.fork_server = start_fork_server(
                         plan.config, self.processes.workdir, start.engine_start_timeout)
                 cluster_kwargs["engine_launcher_class"] = SET_LAUNCHER
+        _end_with_kernel(plan, self.processes.workdir)
         with private_files() as user_umask, _starting("ipyparallel controller"):
             _engines_restore_umask(plan, user_umask)
             _create_profile_dir(profile_dir)
@@ -84,10 +93,7 @@ class Engines:
                 self.ipp.send_engines_connection_env = False
             self.ipp.start_controller_sync()
         self.processes.record_controller(self.ipp.controller.pid)
-        self.processes.write_pidfile(self.owned_pids())
-        self.processes.start_watchdog()
         self.start_engines(n)
-        self.processes.write_pidfile(self.owned_pids())
         if early_engines:
             self._publish_engine_file(engine_file)
         client = self.ipp.connect_client_sync()
@@ -110,7 +116,6 @@ class Engines:
             raise slurm.submit_error(exc, sets, self.config.batch.batch_command_timeout) from None
         batch = slurm.job_launcher(self.ipp.engines.values())
         self.job = slurm.SlurmJob(batch, self.config.batch) if batch is not None else None
-        self.processes.cancel_commands = [self.job.cancel_command] if self.job else []
         for launcher in self.launchers():
             if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
                 launcher.on_stop(self.on_exit)
@@ -138,7 +143,7 @@ class Engines:
                         f"{self.config.start.engine_start_timeout:.0f} s "
                         "(NbdistConfig.engine_start_timeout)") from None
                 time.sleep(self.config.internal.startup_poll_interval)
-        watchdog.write_private(target, text)
+        write_private(target, text)
 
     def wait_for_registration(self, client: Any, n: int | None,
                               known: Iterable[int] = ()) -> list[int]:
@@ -212,7 +217,7 @@ class Engines:
     def stop_engines(self, helpers: list[Pid]) -> bool:
         """Stop every engine (local ones and these helpers by PID first) and forget them, for
         new ones; False if ipyparallel could not stop the others (ask those to exit)."""
-        watchdog.terminate_all(self.local_pids() + helpers, grace=self.config.start.stop_timeout)
+        terminate_all(self.local_pids() + helpers, grace=self.config.start.stop_timeout)
         stopped = self.stop_through_ipyparallel()
         self.ipp.engines.clear()
         return stopped
@@ -220,7 +225,6 @@ class Engines:
     def stop_through_ipyparallel(self) -> bool:
         """Stop the engines through ipyparallel (ssh kill, scancel...); False if that failed."""
         job, self.job = self.job, None
-        self.processes.cancel_commands = []
         try:
             self.ipp.stop_engines_sync()
             stopped = True
@@ -252,6 +256,14 @@ def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:
         client.shutdown(targets=[e for e in engine_ids if e in client.ids], block=False)
     except Exception:
         pass
+
+
+def _end_with_kernel(plan: LauncherPlan, workdir: str) -> None:
+    """The controller ends when the kernel does, and the private directory goes with it (the
+    engines and the fork server end themselves)."""
+    launcher = plan.config.LocalControllerLauncher
+    if "controller_cmd" not in launcher:  # a user's own command wins
+        launcher.controller_cmd = controller_command(workdir)
 
 
 def _start_engines_early(plan: LauncherPlan, engine_file: str, wait_seconds: float) -> None:

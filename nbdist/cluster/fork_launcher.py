@@ -158,7 +158,7 @@ class ForkServerProcess:
             self.create_time = 0.0
 
     def owned(self) -> list[tuple[int, float]]:
-        """The server as a (pid, create time) record for the cluster's pid file."""
+        """The server as a (pid, create time) record among the processes the cluster owns."""
         return [(self.pid, self.create_time)]
 
     def alive(self) -> bool:

@@ -12,7 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from nbdist.cluster import rank_setup, watchdog
+from nbdist.cluster import rank_setup
 from nbdist.cluster.engines import Engines, ExitHandler, ask_remote_engines_to_exit
 from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import (
@@ -25,6 +25,7 @@ from nbdist.cluster.ranks import RankProcess
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.worker import bootstrap
+from nbdist.worker.process_tree import same_process, terminate_all
 
 Progress = Callable[[str], None]
 
@@ -36,6 +37,7 @@ class LaunchMode:
     spans_hosts = False  # engines may run elsewhere: controller and rendezvous off loopback
     plan: LauncherPlan | None = None  # how ipyparallel starts the engines, if this mode does
     curve = False  # CurveZMQ on ipyparallel's traffic and the cell channel (`--curve`)
+    owns_engines = False  # nbdist started them: they end themselves when the kernel is gone
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
@@ -92,17 +94,13 @@ class LaunchMode:
         if not self.pid_is_here(rank):
             with contextlib.suppress(Exception):
                 self.client.send_signal(int(sig), targets=[rank.spec.engine_id], block=False)
-        elif watchdog.same_process(rank.pid, rank.create_time) is not None:
+        elif same_process(rank.pid, rank.create_time) is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(rank.pid, sig)
 
     def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
         """Every process this cluster started and stops: none of an attached cluster's."""
         return []
-
-    def write_pidfile(self, ranks: list[RankProcess]) -> None:
-        """The orphan watchdog's list: what to stop if the notebook's kernel dies."""
-        self.processes.write_pidfile(self.owned_pids(ranks))
 
     def _ask_remote_engines_to_exit(self, ranks: list[RankProcess]) -> None:
         ask_remote_engines_to_exit(self.client, [
@@ -113,6 +111,7 @@ class _OwnedEngines(LaunchMode):
     """Engines nbdist starts through ipyparallel (controller, engines, their logs and exits)."""
 
     early_engines = False  # start them with the controller (they wait for its connection file)
+    owns_engines = True
     plan: LauncherPlan
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler, launcher: str,
@@ -137,13 +136,11 @@ class _OwnedEngines(LaunchMode):
         self.stop_engines(ranks)
         old_ids.update(self.client.ids)  # any that registered while being stopped
         say(f"starting {n} new engine(s)")
-        return self._more_engines(n, ranks, old_ids, say)
+        return self._more_engines(n, old_ids, say)
 
-    def _more_engines(self, n: int, ranks: list[RankProcess], known: set[int],
-                      say: Progress) -> list[int]:
+    def _more_engines(self, n: int, known: set[int], say: Progress) -> list[int]:
         self.engines.progress = say
         self.engines.start_engines(n)
-        self.write_pidfile(ranks)
         return self.engines.wait_for_registration(self.client, n, known=known)
 
     def stop_engines(self, ranks: list[RankProcess]) -> None:
@@ -154,7 +151,7 @@ class _OwnedEngines(LaunchMode):
     def stop(self, ranks: list[RankProcess]) -> None:
         owned = self.owned_pids(ranks)
         super().stop(ranks)
-        watchdog.terminate_all(owned, grace=self.config.start.stop_timeout)
+        terminate_all(owned, grace=self.config.start.stop_timeout)
         self.engines.forget()
 
     def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
@@ -182,7 +179,7 @@ class LocalMode(_OwnedEngines):
 
     def start_replacements(self, count: int, ranks: list[RankProcess], say: Progress) -> list[int]:
         known = set(self.client.ids) | {p.spec.engine_id for p in ranks if p.state == "dead"}
-        return self._more_engines(count, ranks, known, say)
+        return self._more_engines(count, known, say)
 
 
 class LaunchedMode(_OwnedEngines):

@@ -10,9 +10,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from nbdist import ipp_compat
-from nbdist.cluster import watchdog
 from nbdist.cluster.processes import OwnedProcesses
 from nbdist.cluster.ranks import RankProcess
+from nbdist.worker.process_tree import same_process
 
 if TYPE_CHECKING:  # pragma: no cover
     from nbdist.cluster import ClusterCore
@@ -83,7 +83,7 @@ class Liveness:
         with self._lock:
             code = self._exit_codes.get(proc.pid, "missing")
         if code == "missing":
-            if watchdog.same_process(proc.pid, proc.create_time) is None:
+            if same_process(proc.pid, proc.create_time) is None:
                 code = self._wait_exit_code(proc.pid)
             elif self.cluster.is_registered(proc.spec.engine_id):
                 return None

@@ -1,83 +1,67 @@
-"""Every process a cluster owns, by PID: its private directory, the controller and the children it
-forks, the pid file that names them all, and the orphan watchdog that reads that file."""
+"""Every process a cluster owns, by PID: its private directory, and the controller with the
+children it forks."""
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import psutil
 
-from nbdist.cluster import watchdog
 from nbdist.config import NbdistConfig
+from nbdist.worker.process_tree import same_process
 
 Pid = tuple[int, float]
 """A process as nbdist records it: (pid, create time), so a reused PID is never mistaken for it."""
 
 
 class OwnedProcesses:
-    """The cluster's private directory, its controller's process family and the orphan guard."""
+    """The cluster's private directory and its controller's process family."""
 
     def __init__(self, config: NbdistConfig) -> None:
         self.config = config
         self.workdir = ""
-        self.pidfile = ""
-        self.watchdog: subprocess.Popen[bytes] | None = None
         self.controller: Pid | None = None
         self._controller_children: set[Pid] = set()
-        self.cancel_commands: list[list[str]] = []
-        """Commands that cancel the batch jobs of the engines (scancel ID), for the watchdog."""
 
     def create_workdir(self) -> None:
         self.workdir = tempfile.mkdtemp(prefix="nbdist-")  # 0700 by construction
-        self.pidfile = os.path.join(self.workdir, "pids.json")
 
     def record_controller(self, pid: int) -> None:
         self.controller = (pid, psutil.Process(pid).create_time())
         self._controller_children = set()
 
     def controller_alive(self) -> bool:
-        return self.controller is not None and watchdog.same_process(*self.controller) is not None
+        return self.controller is not None and same_process(*self.controller) is not None
 
-    def controller_family(self) -> list[Pid]:
-        """The controller and its children (schedulers, heart monitor), remembered: once the
-        controller is killed they are orphans that only this record still names."""
-        if not self.controller:
-            return []
-        proc = watchdog.same_process(*self.controller)
+    def remember_controller_children(self) -> None:
+        """Note the controller's children (schedulers, heart monitor) while it lives: once it
+        is killed they are orphans that only this record still names."""
+        proc = same_process(*self.controller) if self.controller else None
         if proc is not None:
             self._controller_children.update(process_trees([proc.pid])[1:])
+
+    def controller_family(self) -> list[Pid]:
+        """The controller and its children, as remembered."""
+        if not self.controller:
+            return []
+        self.remember_controller_children()
         return [self.controller, *sorted(self._controller_children)]
-
-    def write_pidfile(self, pids: list[Pid]) -> None:
-        if self.pidfile and os.path.isdir(self.workdir):
-            watchdog.write_pidfile(self.pidfile, pids, self.cancel_commands)
-
-    def start_watchdog(self) -> None:
-        me, internal = psutil.Process(), self.config.internal
-        self.watchdog = subprocess.Popen(
-            [sys.executable, "-m", "nbdist.cluster.watchdog", str(me.pid), repr(me.create_time()),
-             self.pidfile, self.workdir, str(internal.watchdog_interval),
-             str(internal.orphan_kill_grace)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True)
-
-    def stop_watchdog(self) -> None:
-        if self.pidfile and os.path.exists(self.pidfile):
-            os.remove(self.pidfile)  # tells the watchdog to exit quietly
-        if self.watchdog is not None:
-            self.watchdog.terminate()  # it sleeps between checks: its work is done, end it now
-            self.watchdog.wait()
-            self.watchdog = None
 
     def remove_workdir(self) -> None:
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+
+
+def write_private(path: str, text: str) -> None:
+    """`text` into `path`, owner-only and atomically: no reader ever sees half of it."""
+    tmp = f"{path}.tmp"
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 @contextmanager

@@ -112,9 +112,10 @@ def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[st
 def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
                 threads: dict[int, int], living: list[int], *, port: int, generation: int,
                 rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                channel: NotebookChannel) -> list[RankProcess]:
+                channel: NotebookChannel, ends_with_kernel: bool) -> list[RankProcess]:
     """One new process-group generation: each rank of `specs` sets up (environment, device,
-    telemetry) and joins it, and the `living` engines rebuild into it, both sides at once."""
+    telemetry) and joins it, and the `living` engines rebuild into it, both sides at once.
+    `ends_with_kernel`: the new ranks end themselves once this kernel is gone."""
     store_path = rendezvous.store_path(workdir, generation)
     asyncs = {}
     for spec in specs:
@@ -124,7 +125,8 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
             store_path=store_path, threads=threads[spec.rank], cwd=os.getcwd(),
             interface=rendezvous.rank_interface(probed),
             private_dir=workdir if is_local_engine(probed) else None,
-            channel=channel.setup_for(rendezvous.channel_host(probed)), config=config)
+            channel=channel.setup_for(rendezvous.channel_host(probed), ends_with_kernel),
+            config=config)
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
     rebuilds = {eid: client[eid].apply_async(bootstrap.rebuild_process_group, port, generation,
                                              rendezvous.master_addr, store_path)

@@ -9,12 +9,12 @@ import socket
 from typing import Any
 
 from nbdist import ipp_compat
-from nbdist.cluster import watchdog
 from nbdist.cluster.gather import short_error
 from nbdist.cluster.launchers import warn_unauthenticated_rendezvous
 from nbdist.cluster.ranks import RankSpec
 from nbdist.errors import ClusterStartError
 from nbdist.worker import net
+from nbdist.worker.process_tree import same_process
 
 
 class Rendezvous:
@@ -115,7 +115,7 @@ def _probe_address(probe: dict[str, Any], interface: str | None) -> str | None:
 def is_local_engine(probe: dict[str, Any]) -> bool:
     """Same machine (hostname and boot id) and the PID really is that engine here."""
     return (probe.get("host") == socket.gethostname() and probe.get("boot_id") == net.boot_id()
-            and watchdog.same_process(int(probe["pid"]), float(probe["create_time"])) is not None)
+            and same_process(int(probe["pid"]), float(probe["create_time"])) is not None)
 
 
 def controller_host(client: Any) -> str | None:

@@ -125,7 +125,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
     tracebacks.install(shell)
     RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
     install_breakpoint_hook(RUNTIME.agent)
-    endpoint = open_channel(spec.rank, setup.channel)
+    endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
     RUNTIME.pg_timeout = setup.process_group_timeout
     if spec.backend == "gloo":  # NCCL's record completes when its watchdog looks: no wait
         RUNTIME.cell_end_collective_wait = config.faults.cell_end_collective_wait

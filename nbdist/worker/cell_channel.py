@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist import ipp_compat
+from nbdist.worker import orphan_guard
 from nbdist.worker.frames import pack, unpack
 
 CELL_REQUEST = "nbdist_cell"
@@ -40,6 +41,9 @@ class ChannelSetup:
     """Where the rank's ROUTER listens: loopback on one host, else its address to the notebook."""
     notebook_key: bytes | None = None
     """The notebook's CurveZMQ public key; None: signed, not encrypted."""
+    notebook_process: tuple[int, float] | None = None
+    """The notebook kernel's (pid, create time): the rank ends itself once it is gone
+    (`nbdist.worker.orphan_guard`). None for engines nbdist did not start: they live on."""
 
 
 @dataclass(frozen=True)
@@ -55,7 +59,7 @@ class ChannelEndpoint:
 class CellServer:
     """The engine's end of the channel (one per engine, made by :func:`open_channel`)."""
 
-    def __init__(self, rank: int, setup: ChannelSetup) -> None:
+    def __init__(self, rank: int, setup: ChannelSetup, orphan_grace: float) -> None:
         import zmq
         from IPython import get_ipython
         from jupyter_client.session import Session
@@ -82,6 +86,8 @@ class CellServer:
         port = self.requests.bind_to_random_port(f"tcp://{setup.bind_host}")
         self.endpoint = ChannelEndpoint(f"tcp://{setup.bind_host}:{port}", public)
         out.sndhwm = 100_000
+        if setup.notebook_process is not None:  # watched from before its first connection
+            orphan_guard.guard(out, setup.notebook_process, orphan_grace)
         out.connect(setup.notebook_address)
         self.out = out
         self.out_lock = threading.Lock()
@@ -97,6 +103,8 @@ class CellServer:
         ipp_compat.restore_iopub(self.iopub)
         self.stream.close(linger=0)
         with self.out_lock:
+            if self.setup.notebook_process is not None:
+                self.out.disable_monitor()  # closed here on purpose: the guard stops first
             self.out.close(linger=0)
 
     def send_multipart(self, parts: list[Any], *_args: Any, **_kwargs: Any) -> None:
@@ -253,14 +261,15 @@ def _failed(exc: BaseException) -> dict[str, Any]:
 _SERVER: CellServer | None = None
 
 
-def open_channel(rank: int, setup: ChannelSetup) -> ChannelEndpoint:
-    """Listen for cells: once per engine, anew for a new setup (a new notebook-side cluster)."""
+def open_channel(rank: int, setup: ChannelSetup, orphan_grace: float) -> ChannelEndpoint:
+    """Listen for cells: once per engine, anew for a new setup (a new notebook-side cluster).
+    `orphan_grace`: seconds the orphan guard gives the notebook's end to come back."""
     global _SERVER
     if _SERVER is not None and _SERVER.setup != setup:
         _SERVER.close()
         _SERVER = None
     if _SERVER is None:
-        _SERVER = CellServer(rank, setup)
+        _SERVER = CellServer(rank, setup, orphan_grace)
     _SERVER.rank = rank
     return _SERVER.endpoint
 

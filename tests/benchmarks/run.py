@@ -29,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from nbdist.cluster.watchdog import stop_processes
+from nbdist.worker.process_tree import stop_processes
 from tests.benchmarks.common import ROOT
 
 VENV_PY = os.path.join(ROOT, ".venv", "bin", "python")

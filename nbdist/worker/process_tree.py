@@ -1,47 +1,12 @@
-"""Orphan guard: a tiny process that ends the cluster's processes when the notebook kernel dies.
-
-atexit does not run when a kernel is killed -9, so `Cluster.start` spawns this in its own session:
-once the kernel's PID (and start time) is gone, it runs the pid file's cancel commands (`scancel`
-of the engines' Slurm job), stops every PID listed there, and exits. It exits quietly when the pid
-file is removed (a normal `%dist_stop`). Run: `python -m nbdist.cluster.watchdog PARENT
-PARENT_CREATE_TIME PIDFILE WORKDIR INTERVAL GRACE`.
-"""
+"""A process tree stopped for good: frozen first so nothing it forks escapes, then SIGTERM, then
+SIGKILL. Used by a rank that ends itself and by the cluster's `%dist_stop`."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
-
-
-def read_pidfile(path: str) -> tuple[list[tuple[int, float]], list[list[str]]]:
-    """The recorded processes and the cancel commands; nothing from an unreadable file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-        return ([(int(pid), float(ct)) for pid, ct in data["pids"]],
-                [[str(arg) for arg in command] for command in data.get("cancel", [])])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return [], []
-
-
-def write_pidfile(path: str, pids: list[tuple[int, float]],
-                  cancel_commands: list[list[str]] | None = None) -> None:
-    write_private(path, json.dumps({"pids": pids, "cancel": cancel_commands or []}))
-
-
-def write_private(path: str, text: str) -> None:
-    """`text` into `path`, owner-only and atomically: no reader ever sees half of it."""
-    tmp = f"{path}.tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def same_process(pid: int, create_time: float) -> psutil.Process | None:
@@ -122,27 +87,3 @@ def _signal_each(procs: list[psutil.Process], sig: int) -> None:
             proc.send_signal(sig)
         except psutil.NoSuchProcess:
             pass
-
-
-def watch(parent_pid: int, parent_create_time: float, pidfile: str, workdir: str, interval: float,
-          grace: float = 2.0) -> None:
-    """Until the pid file goes away: once the parent is gone, stop every process it lists."""
-    while os.path.exists(pidfile):  # else the cluster was stopped normally
-        if same_process(parent_pid, parent_create_time) is None:
-            pids, cancel_commands = read_pidfile(pidfile)
-            for command in cancel_commands:  # one failing is no reason to leave the others
-                try:
-                    subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL, timeout=30.0)
-                except (OSError, subprocess.SubprocessError):
-                    pass
-            terminate_all(pids, grace=grace)
-            shutil.rmtree(workdir, ignore_errors=True)
-            return
-        time.sleep(interval)
-
-
-if __name__ == "__main__":
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    parent, created, pidfile, workdir, interval, grace = sys.argv[1:]
-    watch(int(parent), float(created), pidfile, workdir, float(interval), float(grace))

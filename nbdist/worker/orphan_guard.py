@@ -1,0 +1,82 @@
+"""A rank that nbdist started ends itself, and everything it started, once the notebook kernel is
+gone: its end of the cell channel closes (even on `kill -9`), and nothing else would stop it."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from nbdist.worker.process_tree import same_process, terminate_all
+
+LOST_POLL_SECONDS = 0.1
+"""While the notebook's end is disconnected: how often the guard looks again."""
+
+Notebook = tuple[int, float]
+"""The notebook kernel as (pid, create time)."""
+
+
+def guard(socket: Any, notebook: Notebook, grace: float) -> None:
+    """Watch the connection of `socket` (the rank's PUSH to the notebook) from a daemon thread.
+
+    On the notebook's machine a disconnection ends the rank once the kernel's PID is gone: a
+    kernel that closed its end on purpose and lives on never ends it. Elsewhere the kernel cannot
+    be seen: the rank ends when no reconnection came within `grace` seconds."""
+    import zmq
+
+    monitor = socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    here = same_process(*notebook) is not None  # remote: no process of that PID and start time
+    threading.Thread(target=_watch, args=(monitor, notebook if here else None, grace),
+                     name="nbdist-orphan-guard", daemon=True).start()
+
+
+def _watch(monitor: Any, notebook: Notebook | None, grace: float) -> None:
+    """Until the socket is closed (its monitor stops): end the rank once the notebook is gone."""
+    import zmq
+    from zmq.utils.monitor import recv_monitor_message
+
+    lost_since: float | None = None
+    try:
+        while True:
+            if monitor.poll(None if lost_since is None else LOST_POLL_SECONDS * 1000):
+                event = recv_monitor_message(monitor)["event"]
+                if event == zmq.EVENT_MONITOR_STOPPED:  # the rank closed its socket itself
+                    return
+                if event == zmq.EVENT_CONNECTED:
+                    lost_since = None
+                elif lost_since is None:
+                    lost_since = time.monotonic()
+            if lost_since is not None and _notebook_gone(notebook, lost_since, grace):
+                _end_rank(grace)
+    except zmq.ZMQError:  # the context is ending with the engine
+        return
+    finally:
+        monitor.close(linger=0)
+
+
+def _notebook_gone(notebook: Notebook | None, lost_since: float, grace: float) -> bool:
+    if notebook is not None:
+        return same_process(*notebook) is None
+    return time.monotonic() - lost_since > grace
+
+
+def _end_rank(grace: float) -> None:
+    """Stop every descendant of this rank (frozen first: none forks away), then exit at once:
+    the main thread may be blocked in a collective whose peers are ending too."""
+    print("nbdist: the notebook kernel is gone; this rank ends", file=sys.__stderr__, flush=True)
+    terminate_all(_children(), grace=grace)
+    os._exit(0)
+
+
+def _children() -> list[tuple[int, float]]:
+    found = []
+    for child in psutil.Process().children():
+        try:
+            found.append((child.pid, child.create_time()))
+        except psutil.Error:  # it exited meanwhile: nothing to stop
+            continue
+    return found
