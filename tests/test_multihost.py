@@ -248,8 +248,7 @@ def test_kernel_killed_ends_the_engines_on_every_host(network: Network, tmp_path
         left: list[int] = []
         while time.monotonic() < deadline:
             left = [pid for h in network.hosts for pid in network.pids_in(h)
-                    if pid not in others and psutil.pid_exists(pid)
-                    and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+                    if pid not in others and _living(pid)]
             if not left:
                 break
             time.sleep(0.1)
@@ -259,3 +258,10 @@ def test_kernel_killed_ends_the_engines_on_every_host(network: Network, tmp_path
     finally:
         if kernel.poll() is None:
             kernel.kill()
+
+
+def _living(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it exited between the listing and the look
+        return False
