@@ -4,6 +4,7 @@ machine) but far below the 30 s process-group timeout used here."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -374,6 +375,41 @@ def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_row10_kernel_killed_after_its_controller_leaves_no_orphans(tmp_path, assert_all_gone):
+    # row 9 then row 10: the controller SIGKILLed first orphans its schedulers and heart monitor,
+    # and the kernel that would stop them at the next restart is killed before it
+    script = tmp_path / "kernel.py"
+    script.write_text(
+        "import time\n"
+        "from nbdist import Cluster\n"
+        "c = Cluster(n=2).start()\n"
+        "print(c._controller_pid[0], *c.all_pids(), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+    family: list[int] = []
+    try:
+        controller, *pids = [int(p) for p in proc.stdout.readline().split()]
+        family += [c.pid for c in psutil.Process(controller).children(recursive=True)]
+        assert family and set(family) <= set(pids)
+        os.kill(controller, signal.SIGKILL)
+        time.sleep(0.5)
+        assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in family)
+        proc.kill()
+        killed = time.perf_counter()
+        proc.wait(timeout=10)
+        assert_all_gone(pids, within=10)
+        print(f"all {len(pids)} processes gone {time.perf_counter() - killed:.2f} s after the "
+              "kernel's SIGKILL")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        for pid in family:  # a failure leaves no orphan either
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.slow

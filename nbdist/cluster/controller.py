@@ -4,8 +4,9 @@ notebook kernel: a `kill -9` of the kernel runs no cleanup there, and the contro
 ``python -m nbdist.cluster.controller WORKDIR -- CONTROLLER_ARGS``: a thread polls the parent
 (the kernel; as ipykernel's ParentPollerUnix does, no prctl); once it is gone, the cluster's
 private directory WORKDIR is removed and the controller's process group (it, its schedulers and
-heart monitor) ends. Then ipyparallel's controller runs as `python -m ipyparallel.controller`
-would.
+heart monitor) ends. Each process the controller forks watches the kernel as well: after the
+controller itself was killed, nothing else would end it. Then ipyparallel's controller runs as
+`python -m ipyparallel.controller` would.
 """
 
 from __future__ import annotations
@@ -38,12 +39,29 @@ def _end_with(parent: int, workdir: str) -> None:
     terminate_all([(os.getpid(), psutil.Process().create_time())], grace=0.5)
 
 
+def _child_ends_with(kernel: int, kernel_created: float) -> None:
+    """In a process the controller forks (a scheduler, the heart monitor): once the kernel is
+    gone, end. Its own watch: a controller killed first leaves it to no one."""
+    from nbdist.worker.process_tree import same_process
+
+    while same_process(kernel, kernel_created) is not None:
+        time.sleep(PARENT_POLL_SECONDS)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
+    import psutil
+
     split = sys.argv.index("--")
     workdir = sys.argv[1]
     sys.argv = [sys.argv[0], *sys.argv[split + 1:]]
-    threading.Thread(target=_end_with, args=(os.getppid(), workdir),
+    kernel = os.getppid()
+    threading.Thread(target=_end_with, args=(kernel, workdir),
                      name="nbdist-end-with-kernel", daemon=True).start()
+    kernel_created = psutil.Process(kernel).create_time()
+    os.register_at_fork(after_in_child=lambda: threading.Thread(
+        target=_child_ends_with, args=(kernel, kernel_created),
+        name="nbdist-end-with-kernel", daemon=True).start())
     from ipyparallel.controller.app import main as controller_main
 
     controller_main()
