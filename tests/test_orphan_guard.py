@@ -123,3 +123,20 @@ def test_only_ranks_nbdist_started_end_with_the_kernel() -> None:
         channel.close()
     assert owned.notebook_process == (psutil.Process().pid, psutil.Process().create_time())
     assert attached.notebook_process is None
+
+
+def test_a_process_ending_itself_stops_its_children_and_never_freezes_itself(assert_all_gone):
+    """What a rank's guard and the controller (when it leads no process group) end with: its
+    children frozen and stopped, then its own exit (freezing itself would hang it for good)."""
+    code = ("import subprocess\nfrom nbdist.worker.process_tree import exit_with_descendants\n"
+            "child = subprocess.Popen(['sleep', '600'])\nprint(child.pid, flush=True)\n"
+            "exit_with_descendants(grace=1.0)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            env=ENV)
+    try:
+        child = int(proc.stdout.readline())
+        assert proc.wait(timeout=10) == 0
+        assert_all_gone([child], within=5)
+    finally:
+        if proc.poll() is None:
+            proc.kill()

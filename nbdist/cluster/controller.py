@@ -29,14 +29,12 @@ def controller_command(workdir: str) -> list[str]:
 def _end_with(parent: int, workdir: str) -> None:
     while os.getppid() == parent:  # an orphan is adopted by init (or a subreaper)
         time.sleep(PARENT_POLL_SECONDS)
-    import psutil
-
-    from nbdist.worker.process_tree import terminate_all
+    from nbdist.worker.process_tree import exit_with_descendants
 
     shutil.rmtree(workdir, ignore_errors=True)
     if os.getpgid(0) == os.getpid():  # its own group (ipyparallel starts it in a new session)
         os.killpg(0, signal.SIGKILL)
-    terminate_all([(os.getpid(), psutil.Process().create_time())], grace=0.5)
+    exit_with_descendants(grace=0.5)
 
 
 def _child_ends_with(kernel: int, kernel_created: float) -> None:

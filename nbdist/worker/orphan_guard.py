@@ -3,15 +3,12 @@ gone: its end of the cell channel closes (even on `kill -9`), and nothing else w
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
 from typing import Any
 
-import psutil
-
-from nbdist.worker.process_tree import same_process, terminate_all
+from nbdist.worker.process_tree import exit_with_descendants, same_process
 
 LOST_POLL_SECONDS = 0.1
 """While the notebook's end is disconnected: how often the guard looks again."""
@@ -65,18 +62,7 @@ def _notebook_gone(notebook: Notebook | None, lost_since: float, grace: float) -
 
 
 def _end_rank(grace: float) -> None:
-    """Stop every descendant of this rank (frozen first: none forks away), then exit at once:
-    the main thread may be blocked in a collective whose peers are ending too."""
+    """Stop every descendant of this rank, then exit: the main thread may be blocked in a
+    collective whose peers are ending too."""
     print("nbdist: the notebook kernel is gone; this rank ends", file=sys.__stderr__, flush=True)
-    terminate_all(_children(), grace=grace)
-    os._exit(0)
-
-
-def _children() -> list[tuple[int, float]]:
-    found = []
-    for child in psutil.Process().children():
-        try:
-            found.append((child.pid, child.create_time()))
-        except psutil.Error:  # it exited meanwhile: nothing to stop
-            continue
-    return found
+    exit_with_descendants(grace)

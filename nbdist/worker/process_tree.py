@@ -1,10 +1,12 @@
 """A process tree stopped for good: frozen first so nothing it forks escapes, then SIGTERM, then
-SIGKILL. Used by a rank that ends itself and by the cluster's `%dist_stop`."""
+SIGKILL. Used by a rank or controller that ends itself and by the cluster's `%dist_stop`."""
 
 from __future__ import annotations
 
+import os
 import signal
 import time
+from typing import NoReturn
 
 import psutil
 
@@ -43,6 +45,19 @@ def terminate_all(pids: list[tuple[int, float]], grace: float) -> list[int]:
         level = children
     stop_processes(frozen, grace)
     return [p.pid for p in frozen]
+
+
+def exit_with_descendants(grace: float) -> NoReturn:
+    """Stop every descendant of this process (`terminate_all` on its children: never on itself,
+    which it would freeze), then exit at once, whatever the main thread is blocked in."""
+    children = []
+    for child in psutil.Process().children():
+        try:
+            children.append((child.pid, child.create_time()))
+        except psutil.Error:  # it exited meanwhile: nothing to stop
+            continue
+    terminate_all(children, grace=grace)
+    os._exit(0)
 
 
 def stop_processes(procs: list[psutil.Process], grace: float) -> None:
