@@ -342,11 +342,29 @@ def test_row13_200kb_of_stderr_never_blocks(cluster: Cluster, fast_config):
 # row 15 (security probe): tests/test_security.py, on the whole process tree
 
 
+def _start_kernel(tmp_path, source: str) -> subprocess.Popen[str]:
+    """A process that stands for a notebook kernel: `source` run with this checkout's nbdist."""
+    script = tmp_path / "kernel.py"
+    script.write_text(source)
+    return subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": os.getcwd()})
+
+
+def _kill_kernel(kernel: subprocess.Popen[str], pids: list[int], assert_all_gone) -> None:
+    """SIGKILL the kernel (no cleanup runs in it): every one of `pids` must end by itself."""
+    kernel.kill()
+    killed = time.perf_counter()
+    kernel.wait(timeout=10)
+    assert_all_gone(pids, within=10)
+    print(f"all {len(pids)} processes gone {time.perf_counter() - killed:.2f} s after the "
+          "kernel's SIGKILL")
+
+
 def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
     # rank 0 blocked in all_reduce, rank 1 asleep, each with a child of its own: no cleanup code
     # runs in the killed kernel, so each process must see it go by itself
-    script = tmp_path / "kernel.py"
-    script.write_text(
+    proc = _start_kernel(
+        tmp_path,
         "import threading\n"
         "from nbdist import Cluster\n"
         "c = Cluster(n=2).start()\n"
@@ -356,8 +374,6 @@ def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
         "c.run('import time\\nif rank == 0:\\n    dist.all_reduce(torch.ones(1))\\n'\n"
         "      'else:\\n    time.sleep(600)', timeout=600)\n"
     )
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
     try:
         line = proc.stdout.readline()
         workdir, *pids = line.split()
@@ -365,13 +381,8 @@ def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
         assert len(pids) >= 6, line  # controller and its family, fork server, 2 engines, 2 sleeps
         running = [psutil.Process(pid) for pid in pids]
         assert all(p.status() != psutil.STATUS_ZOMBIE for p in running)
-        proc.kill()
-        killed = time.perf_counter()
-        proc.wait(timeout=10)
-        assert_all_gone(pids, within=10)
+        _kill_kernel(proc, pids, assert_all_gone)
         assert not os.path.exists(workdir)
-        print(f"all {len(pids)} processes gone {time.perf_counter() - killed:.2f} s after the "
-              "kernel's SIGKILL")
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -380,16 +391,14 @@ def test_row10_kernel_killed_leaves_no_orphans(tmp_path, assert_all_gone):
 def test_row10_kernel_killed_after_its_controller_leaves_no_orphans(tmp_path, assert_all_gone):
     # row 9 then row 10: the controller SIGKILLed first orphans its schedulers and heart monitor,
     # and the kernel that would stop them at the next restart is killed before it
-    script = tmp_path / "kernel.py"
-    script.write_text(
+    proc = _start_kernel(
+        tmp_path,
         "import time\n"
         "from nbdist import Cluster\n"
         "c = Cluster(n=2).start()\n"
         "print(c._controller_pid[0], *c.all_pids(), flush=True)\n"
         "time.sleep(600)\n"
     )
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.getcwd()})
     family: list[int] = []
     try:
         controller, *pids = [int(p) for p in proc.stdout.readline().split()]
@@ -398,12 +407,7 @@ def test_row10_kernel_killed_after_its_controller_leaves_no_orphans(tmp_path, as
         os.kill(controller, signal.SIGKILL)
         time.sleep(0.5)
         assert all(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in family)
-        proc.kill()
-        killed = time.perf_counter()
-        proc.wait(timeout=10)
-        assert_all_gone(pids, within=10)
-        print(f"all {len(pids)} processes gone {time.perf_counter() - killed:.2f} s after the "
-              "kernel's SIGKILL")
+        _kill_kernel(proc, pids, assert_all_gone)
     finally:
         if proc.poll() is None:
             proc.kill()
