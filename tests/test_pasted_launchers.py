@@ -208,6 +208,26 @@ def test_a_process_that_is_not_one_per_rank_is_a_real_process(cluster: Cluster) 
     assert cluster.pull("codes") == {0: (True, 0), 1: (True, 0)}
 
 
+def test_a_process_run_in_place_reads_as_finished_and_closes(monkeypatch) -> None:
+    """No cluster: after the stand-in start(), join, exitcode, is_alive and close work."""
+    import multiprocessing
+
+    from nbdist.worker import pasted_code
+
+    monkeypatch.setattr(pasted_code, "STATE", pasted_code.PastedState(rank=0, world_size=1))
+    ran: list[int] = []
+
+    def work(i: int) -> None:
+        ran.append(i)
+
+    work.__module__ = "__main__"  # as a function defined in a cell
+    process = multiprocessing.Process(target=work, args=(0,))
+    pasted_code._process_start(multiprocessing.process.BaseProcess.start, process)
+    process.join()
+    assert ran == [0] and process.exitcode == 0 and not process.is_alive()
+    process.close()  # deletes the sentinel start() sets: the stand-in sets one too
+
+
 @pytest.mark.frameworks
 @pytest.mark.skipif(find_spec("accelerate") is None,
                     reason="accelerate is not installed (the frameworks extra)")

@@ -1,8 +1,6 @@
-"""What a training loop reports from a rank, for the live dashboard: ``nbdist.log(step=...,
-loss=...)`` (the ``"metrics"`` provider) and its steps and collective waits for the straggler view
-(the ``"timing"`` provider). Both only append to a buffer and wake the telemetry thread, which
-drains it: the training thread never does I/O, pickling or GPU synchronisation. The rank that
-arrived last at a collective waited least, so the notebook compares waits, never host clocks."""
+"""A rank's ``nbdist.log`` records (``"metrics"``) and step and collective timing for the straggler
+view (``"timing"``): the training thread only appends and wakes the telemetry thread, which drains.
+The rank that arrived last at a collective waited least: the notebook compares waits, not clocks."""
 
 from __future__ import annotations
 
@@ -19,23 +17,17 @@ from typing import Any
 
 from nbdist.worker.agent import TelemetryAgent
 
-MAX_BUFFERED = 200_000
-"""Records kept between two drains; beyond this the oldest are dropped (and counted)."""
-
-MAX_RECORDS_PER_PAYLOAD = 2_000
-"""Records sent per tick and rank; a faster logger is thinned evenly (the newest always kept)."""
-
-# One record: (rank time, step, names, values)
-_Record = tuple[float, float, tuple[str, ...], tuple[Any, ...]]
+MAX_BUFFERED = 200_000  # records kept between two drains; beyond it the oldest are dropped
+MAX_RECORDS_PER_PAYLOAD = 2_000  # per tick and rank; a faster logger is thinned evenly
 
 
 @dataclass
 class _MetricsBuffer:
-    # deque.append / popleft are atomic under the GIL: the training and telemetry threads need no
-    # lock, and no record is lost between a read and a swap
-    records: deque[_Record] = field(default_factory=deque)
-    enabled: bool = False
-    wake: threading.Event | None = None
+    # (rank time, step, names, values); deque.append / popleft are atomic under the GIL: the
+    # training and telemetry threads need no lock
+    records: deque[tuple[float, float, tuple[str, ...], tuple[Any, ...]]] = field(
+        default_factory=deque)
+    wake: threading.Event | None = None  # the agent's while log() is enabled
     last_step: float = -1.0
     dropped: int = 0
     rejected: dict[str, str] = field(default_factory=dict)
@@ -46,16 +38,13 @@ _BUFFER = _MetricsBuffer()
 
 
 def log(step: int | float | None = None, **metrics: Any) -> None:
-    """Record numeric metrics for the notebook's dashboard (cheap; never raises).
-
-    ``step`` defaults to one past the previous step this rank logged. Values may be Python or
-    NumPy numbers or one-element tensors; a CUDA tensor is copied to the host asynchronously and
-    sent once its copy is done, so ``nbdist.log(loss=loss)`` does not stall the loop the way
-    ``loss.item()`` does. Anything else is skipped, and the first offence per name is reported in
-    the payload's ``"rejected"`` field. Outside an nbdist engine ``log`` does nothing.
-    """
+    """Record numeric metrics for the notebook's dashboard (cheap; never raises; a no-op outside
+    an nbdist engine). ``step`` defaults to one past this rank's previous one. Values: Python or
+    NumPy numbers or one-element tensors; a CUDA tensor is copied to the host asynchronously, so
+    ``nbdist.log(loss=loss)`` does not stall the loop as ``loss.item()`` does. Anything else is
+    skipped, the first offence per name reported in the payload's ``"rejected"``."""
     buffer = _BUFFER
-    if not buffer.enabled or not metrics:
+    if buffer.wake is None or not metrics:
         return
     try:
         buffer.last_step = buffer.last_step + 1.0 if step is None else float(step)
@@ -65,7 +54,7 @@ def log(step: int | float | None = None, **metrics: Any) -> None:
             buffer.dropped += 1
         buffer.records.append((time.time(), buffer.last_step, tuple(metrics), values))
         # after the append: the thread clears the event before it drains
-        if buffer.wake is not None and not buffer.wake.is_set():
+        if not buffer.wake.is_set():
             buffer.wake.set()
     except Exception:  # a bad value must never surface in the training loop
         buffer.dropped += 1
@@ -100,8 +89,6 @@ class PendingValue:
 
 
 class _PendingCuda(PendingValue):
-    """A CUDA scalar on its way to the host: async copy now, read when its event has fired."""
-
     __slots__ = ("host", "event")
 
     def __init__(self, tensor: Any) -> None:
@@ -135,9 +122,8 @@ def _read(value: Any) -> Any:
 
 
 def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
-    """The ``"metrics"`` provider: every record logged since the last drain, thinned to ``limit``:
-    ``{"t": [...], "step": [...], "values": {name: [value or None, ...]}, "dropped": n}``
-    (columns aligned by index), or ``None`` when nothing was logged."""
+    """The ``"metrics"`` provider: the records since the last drain, thinned to ``limit``, as
+    aligned columns ``{"t", "step", "values": {name: [value or None...]}, "dropped"}``, or None."""
     buffer = _BUFFER
     records = [buffer.records.popleft() for _ in range(len(buffer.records))]
     ready = next((i for i, record in enumerate(records)
@@ -171,46 +157,34 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
 
 
 def install_metrics(agent: TelemetryAgent) -> None:
-    """Enable :func:`log` in this process and register the ``"metrics"`` provider."""
     global _BUFFER
-    _BUFFER = _MetricsBuffer(enabled=True, wake=agent.wake)
+    _BUFFER = _MetricsBuffer(wake=agent.wake)
     agent.register("metrics", drain)
 
 
 def uninstall_metrics(agent: TelemetryAgent | None = None) -> None:
-    """Turn :func:`log` back into a no-op (tests)."""
     global _BUFFER
     _BUFFER = _MetricsBuffer()
     if agent is not None:
         agent.unregister("metrics")
 
 
-MAX_KEPT = 512
-"""Records kept between two drains (a drain every 0.1-0.5 s; DDP makes one per step)."""
-
+MAX_KEPT = 512  # timing records kept between two drains (0.1-0.5 s; DDP makes one per step)
 DDP_NAME = "DDP gradient all-reduce"
-
-WAKE_SPACING = 0.25
-"""Least seconds between two wakes from optimizer steps: each payload costs the notebook CPU."""
-
+WAKE_SPACING = 0.25  # least seconds between wakes from optimizer steps: payloads cost the notebook
+# not collectives: the pair's sequence numbers say nothing about who the group waited for
 POINT_TO_POINT = frozenset({"send", "recv"})
-"""Not collectives: the pair's sequence numbers say nothing about who the group waited for."""
-
-OPT_OUT = "NBDIST_STEP_TIMING"
-"""``NBDIST_STEP_TIMING=0``: record nothing and leave DDP's own C++ all-reduce in place."""
-
-# (group name, sequence number, group size, collective, seconds waited inside)
-CollectiveRecord = tuple[str, int, int, str, float]
-# (rank time at the step's end, seconds since the previous step, of which waiting in collectives)
-StepRecord = tuple[float, float, float]
-# from before a collective to after it: (group name, seq, size, started)
-Ticket = tuple[str, int, int, float]
+OPT_OUT = "NBDIST_STEP_TIMING"  # =0: record nothing and leave DDP's C++ all-reduce in place
+Ticket = tuple[str, int, int, float]  # from before a collective: (group name, seq, size, started)
 
 
-def _group_or_default(group: Any) -> Any:
+def _ticket(group: Any, started: float, suffix: str = "") -> Ticket:
+    """The group's name (+ suffix), next sequence number and size; raises off a group."""
     from torch.distributed import distributed_c10d
 
-    return distributed_c10d._get_default_group() if group is None else group
+    group = distributed_c10d._get_default_group() if group is None else group
+    return (group.group_name + suffix, group._get_sequence_number_for_group(), group.size(),
+            started)
 
 
 class StepTiming:
@@ -218,10 +192,11 @@ class StepTiming:
 
     def __init__(self) -> None:
         self.enabled = True
-        self.collectives: deque[CollectiveRecord] = deque(maxlen=MAX_KEPT)
-        self.steps: deque[StepRecord] = deque(maxlen=MAX_KEPT)
-        self.wake: threading.Event | None = None
-        """The telemetry agent's wake event, set at an optimizer step every `WAKE_SPACING` s."""
+        # (group name, sequence number, group size, collective, seconds waited inside)
+        self.collectives: deque[tuple[str, int, int, str, float]] = deque(maxlen=MAX_KEPT)
+        # (rank time at the step's end, seconds since the previous step, of which in collectives)
+        self.steps: deque[tuple[float, float, float]] = deque(maxlen=MAX_KEPT)
+        self.wake: threading.Event | None = None  # the agent's, set at most every WAKE_SPACING
         self._woken_at = 0.0
         self._lead: weakref.ref[Any] | None = None
         self._last_step_at: float | None = None
@@ -234,17 +209,13 @@ class StepTiming:
         if not self.enabled or name in POINT_TO_POINT or async_op:
             return None
         try:
-            group = _group_or_default(group)
-            return (group.group_name, group._get_sequence_number_for_group(), group.size(),
-                    time.perf_counter())
+            return _ticket(group, time.perf_counter())
         except Exception:  # not a group of this rank, no group yet: nothing to compare
             return None
 
     def after(self, ticket: Ticket, name: str) -> None:
         group, seq, size, started = ticket
-        self.record(group, seq, size, name, time.perf_counter() - started)
-
-    def record(self, group: str, seq: int, size: int, name: str, waited: float) -> None:
+        waited = time.perf_counter() - started
         self.collectives.append((group, seq, size, name, waited))
         self._waited += waited
 
@@ -268,11 +239,9 @@ class StepTiming:
             return
         group, arrived = ready
         with contextlib.suppress(Exception):
-            group = _group_or_default(group)
             # the sequence number after the step's buckets is the same on every rank; ":ddp"
             # keeps it apart from the explicit collective entered at that number next
-            self.record(f"{group.group_name}:ddp", group._get_sequence_number_for_group(),
-                        group.size(), DDP_NAME, time.perf_counter() - arrived)
+            self.after(_ticket(group, arrived, ":ddp"), DDP_NAME)
 
     def on_optimizer_step(self, optimizer: Any, *_: Any) -> None:
         """Global optimizer-step post hook: one record per step of the first optimizer that
@@ -296,7 +265,6 @@ class StepTiming:
         self._waited = 0.0
 
     def drain(self) -> dict[str, Any] | None:
-        """The ``"timing"`` provider: records since the last drain, or None."""
         collectives = [self.collectives.popleft() for _ in range(len(self.collectives))]
         steps = [self.steps.popleft() for _ in range(len(self.steps))]
         return {"collectives": collectives, "steps": steps} if collectives or steps else None
@@ -318,11 +286,10 @@ def install_step_timing(agent: TelemetryAgent, timing: StepTiming = TIMING) -> N
         _HOOKS.extend((
             optimizer.register_optimizer_step_pre_hook(timing.on_optimizer_step_begin),
             optimizer.register_optimizer_step_post_hook(timing.on_optimizer_step)))
-    if not hasattr(DDP.__init__, "__wrapped__"):
-        DDP.__init__ = _timed_init(DDP.__init__, timing)  # type: ignore[method-assign]
+    if hasattr(DDP.__init__, "__wrapped__"):
+        return
+    original = DDP.__init__
 
-
-def _timed_init(original: Any, timing: StepTiming) -> Any:
     # DDP's own fused C++ all-reduce stays: a Python comm hook costs a second pass per bucket
     @functools.wraps(original)
     def init(ddp: Any, *args: Any, **kwargs: Any) -> None:
@@ -330,4 +297,4 @@ def _timed_init(original: Any, timing: StepTiming) -> Any:
         if timing.enabled:
             timing.watch(ddp)
 
-    return init
+    DDP.__init__ = init  # type: ignore[method-assign]

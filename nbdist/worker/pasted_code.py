@@ -16,8 +16,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-NOTE_PREFIX = "nbdist:"
-
 LIGHTNING_PACKAGES = ("lightning.", "pytorch_lightning.", "lightning_fabric.")
 PRECISION_ENV = "ACCELERATE_MIXED_PRECISION"  # read by accelerate's Accelerator
 
@@ -61,8 +59,7 @@ class ScriptExit(Exception):
 
 
 def _wrap(owner: Any, name: str, replacement: Any) -> None:
-    """`owner.name` becomes `replacement(original, *args, **kwargs)` in the original's clothes
-    (its `__wrapped__` is the original, for whoever needs it), once."""
+    """`owner.name` becomes `replacement(original, *args, **kwargs)`, once; `__wrapped__` is it."""
     original = getattr(owner, name)
     if hasattr(original, "__nbdist_original__"):
         return
@@ -81,12 +78,11 @@ def install(rank: int, world_size: int, shell: Any) -> None:
     accelerate's notebook_launcher when (if ever) accelerate is imported."""
     import torch.distributed as dist
     import torch.multiprocessing as torch_mp
+    from torch.distributed import rpc
 
     STATE.rank, STATE.world_size = rank, world_size
     _wrap(dist, "init_process_group", _init_process_group)
     _wrap(dist, "destroy_process_group", _destroy_process_group)
-    from torch.distributed import rpc
-
     if rpc.is_available():
         _wrap(rpc, "init_rpc", _init_rpc)
     for module in (torch_mp, sys.modules["torch.multiprocessing.spawn"]):
@@ -103,7 +99,7 @@ def install(rank: int, world_size: int, shell: Any) -> None:
 
 def _note(key: str, text: str) -> None:
     if STATE.rank == 0 and key not in STATE.noted:
-        print(f"{NOTE_PREFIX} {text}", flush=True)
+        print(f"nbdist: {text}", flush=True)
     STATE.noted.add(key)
 
 
@@ -124,8 +120,18 @@ def _init_process_group(original: Any, *args: Any, **kwargs: Any) -> None:
         # destroyed earlier in this cell and initialised again: the script's own rendezvous
         return original(*args, **kwargs)
     asked = inspect.signature(original).bind_partial(*args, **kwargs).arguments
-    current = f"{dist.get_backend()}, world size {dist.get_world_size()}, rank {dist.get_rank()}"
-    differences = _differences(asked)
+    backend, world_size, rank = str(dist.get_backend()), dist.get_world_size(), dist.get_rank()
+    current = f"{backend}, world size {world_size}, rank {rank}"
+    # what the call asks for that the group is not (its rendezvous arguments no longer matter)
+    differences = []  # 'gloo' matches a 'cpu:gloo,cuda:nccl' group
+    names = [{part.split(":")[-1].strip().lower() for part in str(b).split(",")}
+             for b in (asked.get("backend"), backend)]
+    if asked.get("backend") is not None and not names[0] & names[1]:
+        differences.append(f"backend {asked['backend']!r} (the group is {backend!r})")
+    if asked.get("world_size", -1) not in (-1, None) and int(asked["world_size"]) != world_size:
+        differences.append(f"world_size={asked['world_size']} (the cluster has {world_size} ranks)")
+    if asked.get("rank", -1) not in (-1, None) and int(asked["rank"]) != rank:
+        differences.append(f"rank={asked['rank']} (this is rank {rank})")
     if differences:
         raise IncompatibleInitError(
             f"init_process_group: this rank is already in the cluster's process group "
@@ -134,25 +140,6 @@ def _init_process_group(original: Any, *args: Any, **kwargs: Any) -> None:
     _note("init", f"init_process_group() skipped: the cluster's process group is already up "
                   f"({current})")
     return None
-
-
-def _differences(asked: dict[str, Any]) -> list[str]:
-    """What an init_process_group call asks for that the existing group is not (its rendezvous
-    arguments do not matter once the group exists)."""
-    import torch.distributed as dist
-
-    found = []
-    backend, current = asked.get("backend"), str(dist.get_backend())
-    names = [{part.split(":")[-1].strip().lower() for part in str(b).split(",")}
-             for b in (backend, current)]
-    if backend is not None and not names[0] & names[1]:  # 'gloo' matches 'cpu:gloo,cuda:nccl'
-        found.append(f"backend {backend!r} (the group is {current!r})")
-    world_size, rank = asked.get("world_size", -1), asked.get("rank", -1)
-    if world_size not in (-1, None) and int(world_size) != dist.get_world_size():
-        found.append(f"world_size={world_size} (the cluster has {dist.get_world_size()} ranks)")
-    if rank not in (-1, None) and int(rank) != dist.get_rank():
-        found.append(f"rank={rank} (this is rank {dist.get_rank()})")
-    return found
 
 
 def _destroy_process_group(original: Any, group: Any = None) -> None:
@@ -210,17 +197,41 @@ def _spawn(original: Any, *args: Any, **kwargs: Any) -> Any:
             f"would start {nprocs} processes from every rank. {_ranks_already()} Use "
             f"strategy='ddp': Lightning then finds the ranks through torchrun's environment "
             f"(TorchElasticEnvironment) and uses the cluster's process group, starting nothing.")
-    if nprocs != STATE.world_size:
-        raise LauncherInCellError(
-            f"{launcher}({name}, nprocs={nprocs}) asks for {nprocs} processes. {_ranks_already()} "
-            f"Call the function yourself, `{name}(rank, *args)` (nbdist defines `rank` and "
-            f"`world_size`), or write `nprocs=world_size` and nbdist runs it in place on each "
-            f"rank; for {nprocs} ranks, start the cluster with `%dist_start -n {nprocs}`. "
-            f"`{launcher}.__wrapped__(...)` starts real processes if that is what you mean.")
+    _check_count(launcher, name, "nprocs", nprocs, "rank, *args",
+                 "nbdist defines `rank` and `world_size`")
     _note(launcher, f"{launcher}({name}, nprocs={nprocs}) runs {name}(rank, ...) in place on each "
                     f"of the {nprocs} ranks: they already are the processes it would start")
     fn(STATE.rank, *call.arguments["args"])
     return None if call.arguments["join"] else _RanInPlace()
+
+
+def _notebook_launcher(original: Any, *args: Any, **kwargs: Any) -> None:
+    __tracebackhide__ = True
+    call = inspect.signature(original).bind(*args, **kwargs)
+    call.apply_defaults()
+    fn, precision = call.arguments["function"], str(call.arguments["mixed_precision"])
+    name = _name(fn)
+    _check_count("notebook_launcher", name, "num_processes", call.arguments["num_processes"],
+                 "*args", "accelerate's Accelerator finds the group and the environment")
+    _note("notebook_launcher", f"notebook_launcher({name}) runs {name}(*args) in place on each "
+                               f"of the {STATE.world_size} ranks: they already are its processes")
+    from unittest import mock
+
+    # the environment the launcher gives its workers' Accelerator, gone with them afterwards
+    with mock.patch.dict(os.environ, {PRECISION_ENV: precision} if precision != "no" else {}):
+        fn(*call.arguments["args"])
+
+
+def _check_count(launcher: str, name: str, param: str, count: Any, call_as: str, why: str) -> None:
+    """A launcher asking for another number of processes than there are ranks: what to write."""
+    __tracebackhide__ = True
+    if count not in (None, STATE.world_size):
+        raise LauncherInCellError(
+            f"{launcher}({name}, {param}={count}) asks for {count} processes. {_ranks_already()} "
+            f"Call the function yourself, `{name}({call_as})` ({why}), or write "
+            f"`{param}=world_size` and nbdist runs it in place on each rank; for {count} ranks, "
+            f"start the cluster with `%dist_start -n {count}`. `{launcher}.__wrapped__(...)` "
+            "starts real processes if that is what you mean.")
 
 
 def _process_start(original: Any, process: Any) -> None:
@@ -243,29 +254,8 @@ def _process_start(original: Any, process: Any) -> None:
     STATE.process_indices.add(index)
     if index == STATE.rank:
         target(*args, **process._kwargs)
-    process._popen = _RanInPlace()
+    process._popen, process._sentinel = _RanInPlace(), -1  # as start() sets them: close() dels
     del process._target, process._args, process._kwargs  # as start() does
-
-
-def _notebook_launcher(original: Any, *args: Any, **kwargs: Any) -> None:
-    __tracebackhide__ = True
-    call = inspect.signature(original).bind(*args, **kwargs)
-    call.apply_defaults()
-    count, name = call.arguments["num_processes"], _name(call.arguments["function"])
-    if count not in (None, STATE.world_size):
-        raise LauncherInCellError(
-            f"notebook_launcher({name}, num_processes={count}) asks for {count} processes. "
-            f"{_ranks_already()} Call `{name}(*args)` yourself (accelerate's Accelerator finds "
-            f"the group and the environment), or write `num_processes=world_size` and nbdist "
-            f"runs it in place on each rank; for {count} ranks, `%dist_start -n {count}`.")
-    _note("notebook_launcher", f"notebook_launcher({name}) runs {name}(*args) in place on each "
-                               f"of the {STATE.world_size} ranks: they already are its processes")
-    from unittest import mock
-
-    precision = str(call.arguments["mixed_precision"])
-    # the environment the launcher gives its workers' Accelerator, gone with them afterwards
-    with mock.patch.dict(os.environ, {PRECISION_ENV: precision} if precision != "no" else {}):
-        call.arguments["function"](*call.arguments["args"])
 
 
 def _shell_command(original: Any, command: str, *args: Any, **kwargs: Any) -> Any:
@@ -321,7 +311,6 @@ class _RanInPlace:
     (`join`, `is_alive`, `exitcode` and torch's `ProcessContext.join` all ask it)."""
 
     returncode = 0
-    sentinel = -1
 
     def __init__(self) -> None:
         self.pid = os.getpid()
@@ -344,7 +333,7 @@ class _RanInPlace:
         return True
 
     def pids(self) -> list[int]:
-        return [os.getpid()]
+        return [self.pid]
 
     def terminate(self) -> None:
         pass

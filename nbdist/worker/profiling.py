@@ -16,7 +16,7 @@ from nbdist.worker import collectives
 
 MAX_EVENTS = 20_000
 """Events kept per rank and capture; beyond it the shortest nested operators are dropped first
-(collectives and top-level operators are always kept). The capture says how many were dropped."""
+(collectives and top-level operators are kept), and counted."""
 TOP_OPERATORS = 15
 ANCHOR = "nbdist.anchor"
 _COMM_MARKS = ("c10d::", "gloo:", "nccl", "record_param_comms", collectives.PROFILE_PREFIX)
@@ -31,8 +31,7 @@ class _Session:
 
 
 _ACTIVE: _Session | None = None
-LAST_CAPTURE: dict[str, Any] | None = None
-"""The last finished capture on this rank (what the notebook collects)."""
+LAST_CAPTURE: dict[str, Any] | None = None  # what the notebook collects
 
 
 def is_active() -> bool:
@@ -51,8 +50,8 @@ def cell_finished() -> None:
 
 
 def start() -> None:
-    """Start profiling this rank (CPU; CUDA kernels too when a GPU is in use). A profile already
-    running (e.g. a `with nbdist.profile()` block left open by a failed cell) is stopped first."""
+    """Profile this rank's CPU (and CUDA once in use); a profile already running (a `with
+    nbdist.profile()` block a failed cell left open) is stopped first."""
     global _ACTIVE
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -76,7 +75,7 @@ def start() -> None:
 
 
 def stop(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
-    """Stop the running profile; its capture (None if none ran), also kept as `LAST_CAPTURE`."""
+    """The running profile's capture (None if none ran), also kept as `LAST_CAPTURE`."""
     global _ACTIVE, LAST_CAPTURE
     session, _ACTIVE = _ACTIVE, None
     if session is None:
@@ -142,7 +141,13 @@ def _capture(session: _Session, end_wall_us: float, max_events: int) -> dict[str
     exported = [event for event in (_event_dict(e, offset) for e in events
                                             if not e.name.startswith(ANCHOR))
                 if event["ts"] + event["dur"] >= start_us and event["ts"] <= end_us]
-    kept = _thin(exported, max_events)
+    kept = exported
+    if len(exported) > max_events:
+        def keep_first(event: dict[str, Any]) -> tuple[int, float]:
+            comm = any(mark in event["name"] for mark in _COMM_MARKS)
+            return (0 if comm else 1 if event["top"] else 2, -event["dur"])
+
+        kept = sorted(sorted(exported, key=keep_first)[:max_events], key=lambda e: e["ts"])
     return {
         "rank": int(os.environ.get("RANK", "0")),  # set on a rank and under torchrun
         "host": socket.gethostname(),
@@ -169,18 +174,6 @@ def _event_dict(event: Any, offset: float) -> dict[str, Any]:
         "cat": "cpu_op" if on_cpu else "kernel",
         "top": on_cpu and event.cpu_parent is None,
     }
-
-
-def _thin(events: list[dict[str, Any]], max_events: int) -> list[dict[str, Any]]:
-    if len(events) <= max_events:
-        return events
-
-    def keep_first(event: dict[str, Any]) -> tuple[int, float]:
-        comm = any(mark in event["name"] for mark in _COMM_MARKS)
-        return (0 if comm else 1 if event["top"] else 2, -event["dur"])
-
-    kept = sorted(events, key=keep_first)[:max_events]
-    return sorted(kept, key=lambda e: e["ts"])
 
 
 def _top_operators(profiler: Any) -> list[dict[str, Any]]:

@@ -1,7 +1,6 @@
-"""A rank's memory: samples for the dashboard (the telemetry agent's ``"memory"`` provider: the
-CUDA allocator and NVML on a GPU, heap, RSS and its peak on the CPU), and the `--memory-limit`
-budget, applied inside the rank after start-up so that the notebook, the controller and the
-engine's nanny stay unlimited (on the CPU the soft RLIMIT_DATA: docs/FAULTS.md says why)."""
+"""A rank's memory samples (the ``"memory"`` provider) and its `--memory-limit` budget, set inside
+the rank after start-up so the notebook, controller and nanny stay unlimited (CPU: the soft
+RLIMIT_DATA, docs/FAULTS.md says why)."""
 
 from __future__ import annotations
 
@@ -24,9 +23,8 @@ class _Mallinfo2(ctypes.Structure):
         "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-@functools.cache
+@functools.cache  # find_library runs ldconfig
 def libc() -> Any:
-    """The C library, loaded once (find_library runs ldconfig); OSError where there is none."""
     return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
 
 
@@ -58,17 +56,16 @@ def _host_memory_total() -> int:
 
 
 class MemorySampler:
-    """One rank's memory; ``sample()`` returns byte counts under the same keys for both device
-    kinds (the dashboard draws one kind of bar): ``allocated`` (CUDA tensors / CPU heap in use),
-    ``reserved`` (CUDA caching allocator / RSS), ``peak`` (this cell's), ``capacity`` (device
-    total / RAM or cgroup limit), and ``kind``, ``device`` and a few extras per kind."""
+    """Byte counts under the same keys on either device (the dashboard draws one kind of bar):
+    ``allocated`` (CUDA tensors / CPU heap), ``reserved`` (caching allocator / RSS), ``peak`` (this
+    cell's), ``capacity`` (device total / RAM or cgroup limit), ``kind``, ``device``, extras."""
 
     def __init__(self, device: Any = None) -> None:
         self.device = device
         self.kind = "cuda" if getattr(device, "type", str(device)).startswith("cuda") else "cpu"
         self._lock = threading.Lock()
         self._cell = -1
-        self._capacity: int | None = None
+        self._capacity = _host_memory_total() if self.kind == "cpu" else None
         self._mallinfo2 = _load_mallinfo2() if self.kind == "cpu" else None
         self._can_clear_refs = True
         self._sampled_peak = 0
@@ -77,49 +74,41 @@ class MemorySampler:
         self._nvml: Any = None
 
     def sample(self, cell: int | None = None) -> dict[str, Any]:
-        """One sample. On the main thread (a cell's start and end) a GPU sample is the
-        allocator's counters only: NVML is left to the telemetry thread."""
+        """On the main thread (a cell's start and end) a GPU sample is the allocator's counters
+        only: NVML is left to the telemetry thread."""
         with self._lock:  # the agent may collect from the main thread and its own at once
             new_cell = cell is not None and cell != self._cell
             if new_cell:
                 self._cell = cell
-            if self.kind == "cuda":
-                light = threading.current_thread() is threading.main_thread()
-                return self._sample_cuda(new_cell, light)
-            if new_cell:
-                self._reset_cpu_peak()
-            return self._sample_cpu()
+            if self.kind == "cpu":
+                return self._sample_cpu(new_cell)
+            return self._sample_cuda(new_cell)
 
-    def _reset_cpu_peak(self) -> None:
-        self._sampled_peak = 0
-        if self._can_clear_refs:
+    def _sample_cpu(self, cell_start: bool) -> dict[str, Any]:
+        if cell_start:
+            self._sampled_peak = 0
+        if cell_start and self._can_clear_refs:
             try:
                 # "5" resets VmHWM to the current RSS (Linux >= 4.0); no other side effect
                 with open("/proc/self/clear_refs", "w") as clear_refs:
                     clear_refs.write("5")
             except OSError:
                 self._can_clear_refs = False
-
-    def _sample_cpu(self) -> dict[str, Any]:
         status = read_status("VmRSS", "VmHWM")
         rss = status.get("VmRSS", 0)
+        heap, heap_source = rss, "rss"
         if self._mallinfo2 is not None:
             info = self._mallinfo2()
-            heap = int(info.uordblks + info.hblkhd)  # small-block arenas + mmapped big blocks
-            heap_source = "mallinfo2"
-        else:
-            heap, heap_source = rss, "rss"
+            heap, heap_source = int(info.uordblks + info.hblkhd), "mallinfo2"  # arenas + mmapped
         # without clear_refs VmHWM is the process-lifetime peak: our own samples then; with it,
         # never less than a sample we saw (the kernel's counters lag a bit)
         self._sampled_peak = max(self._sampled_peak, rss)
         peak = status.get("VmHWM", 0) if self._can_clear_refs else 0
-        if self._capacity is None:
-            self._capacity = _host_memory_total()
         return {"kind": "cpu", "device": "cpu", "allocated": heap, "reserved": rss,
                 "peak": max(peak, self._sampled_peak), "capacity": self._capacity, "rss": rss,
                 "heap_source": heap_source}
 
-    def _sample_cuda(self, cell_start: bool, light: bool) -> dict[str, Any]:
+    def _sample_cuda(self, cell_start: bool) -> dict[str, Any]:
         import torch
 
         device = self.device
@@ -134,15 +123,14 @@ class MemorySampler:
             self._sampled_peak, self._torch_peak_at_start = allocated, torch_peak
         self._sampled_peak = max(self._sampled_peak, allocated)
         peak = torch_peak if torch_peak > self._torch_peak_at_start else self._sampled_peak
-        if not light:
+        if threading.current_thread() is not threading.main_thread():
             self._device_extras = self._nvml_sample()
         return {"kind": "cuda", "device": str(device), "allocated": allocated,
                 "reserved": int(stats.get("reserved_bytes.all.current", 0)), "peak": peak,
                 "capacity": self._capacity, **self._device_extras}
 
     def _nvml_sample(self) -> dict[str, Any]:
-        """The GPU's utilisation and what NVML sees used on it (every process, CUDA contexts
-        included); nothing without pynvml."""
+        """Utilisation and what NVML sees used (every process, CUDA contexts included)."""
         if self._nvml is None:
             self._nvml = _open_nvml(self.device)
         nvml, handle = self._nvml
@@ -155,8 +143,7 @@ class MemorySampler:
             return {}
 
 
-def _load_mallinfo2() -> Any:
-    # glibc >= 2.33 only; musl lacks it and falls back to RSS
+def _load_mallinfo2() -> Any:  # glibc >= 2.33 only; elsewhere the heap is RSS
     try:
         fn = libc().mallinfo2
     except (OSError, AttributeError):
@@ -209,7 +196,6 @@ def _open_nvml(device: Any) -> tuple[Any, Any]:
 
 
 def install_memory_sampler(agent: TelemetryAgent, device: Any = None) -> MemorySampler:
-    """Register the ``"memory"`` provider on this rank's agent."""
     sampler = MemorySampler(device)
     agent.register("memory", lambda: sampler.sample(agent.cell_id))
     return sampler
@@ -217,18 +203,17 @@ def install_memory_sampler(agent: TelemetryAgent, device: Any = None) -> MemoryS
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 
-STATE: dict[str, Any] = {}
-"""What `apply_memory_limit` did in this process: mechanism, limit, baseline..."""
+STATE: dict[str, Any] = {}  # what apply_memory_limit did: mechanism, limit, baseline...
 
 
 def apply_memory_limit(limit: int | None, device: Any) -> None:
     """Cap what this rank may allocate from now on at `limit` bytes (None: unlimited)."""
     if limit is None:
         return
+    import torch
+
     STATE.clear()
     if getattr(device, "type", "cpu") == "cuda":
-        import torch
-
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
         STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, device=device)
@@ -237,7 +222,9 @@ def apply_memory_limit(limit: int | None, device: Any) -> None:
         # glibc: every block of 128 KiB or more its own mmap, unmapped when freed; by default the
         # threshold rises after the first large free and freed tensors stay counted in the heap
         libc().mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
-    _start_intra_op_threads()  # their stacks are start-up's, not the cell's budget
+    # OpenMP starts intra-op threads on first use and each stack (8 MiB) counts as data: start
+    # them before the budget, or libgomp's thread creation fails under a small one on many cores
+    torch.ones(torch.get_num_threads() * 2**15).add_(1)  # 2**15: at::parallel_for's grain size
     baseline = read_status("VmData")["VmData"]  # private writable mappings: what the limit counts
     _soft, hard = resource.getrlimit(resource.RLIMIT_DATA)
     soft = baseline + limit if hard == resource.RLIM_INFINITY else min(baseline + limit, hard)
@@ -246,28 +233,18 @@ def apply_memory_limit(limit: int | None, device: Any) -> None:
     STATE.update(mechanism="RLIMIT_DATA", limit=limit, baseline=baseline, soft_limit=soft)
 
 
-def _start_intra_op_threads() -> None:
-    """Run one op on every intra-op thread: OpenMP starts them on first use, and a thread's stack
-    (8 MiB each by default) counts as data, so libgomp's thread creation would otherwise fail
-    under a small budget on a host with many cores."""
-    import torch
-
-    torch.ones(torch.get_num_threads() * 2**15).add_(1)  # 2**15: at::parallel_for's grain size
-
-
 def memory_budget() -> dict[str, Any]:
-    """This rank's budget now: the limit, and how much of it is in use (CPU: VmData beyond the
-    start-up baseline; GPU: what the cap counts, torch.cuda.memory_reserved, and allocated)."""
+    """This rank's limit and how much of it is in use (CPU: VmData beyond the start-up baseline;
+    GPU: what the cap counts, torch.cuda.memory_reserved, and allocated)."""
     if not STATE:
         return {"limit": None, "in_use": None}
+    budget = {"limit": STATE["limit"], "mechanism": STATE["mechanism"]}
     if STATE["mechanism"] == "RLIMIT_DATA":
-        in_use = read_status("VmData")["VmData"] - STATE["baseline"]
-        return {"limit": STATE["limit"], "in_use": in_use, "mechanism": STATE["mechanism"]}
+        return {**budget, "in_use": read_status("VmData")["VmData"] - STATE["baseline"]}
     import torch
 
-    device = STATE["device"]
-    return {"limit": STATE["limit"], "in_use": torch.cuda.memory_reserved(device),
-            "allocated": torch.cuda.memory_allocated(device), "mechanism": STATE["mechanism"]}
+    return {**budget, "in_use": torch.cuda.memory_reserved(STATE["device"]),
+            "allocated": torch.cuda.memory_allocated(STATE["device"])}
 
 
 @contextlib.contextmanager

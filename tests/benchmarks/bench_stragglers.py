@@ -168,7 +168,7 @@ def cost_model(params: int = 400, rounds: int = 15) -> dict[str, float]:
         step_us = 1e6 * (time.process_time() - started) / 2000
         started = time.process_time()
         for _ in range(2000):
-            timing.record("0", 1, 4, "all_reduce", 0.001)
+            timing.after(("0", 1, 4, time.perf_counter() - 0.001), "all_reduce")
             timing.steps.append((1.0, 0.1, 0.01))
             pickle.dumps(timing.drain())
         drain_us = 1e6 * (time.process_time() - started) / 2000
