@@ -282,12 +282,11 @@ def install_step_timing(agent: TelemetryAgent, timing: StepTiming = TIMING) -> N
     timing.enabled = os.environ.get(OPT_OUT, "1").lower() not in ("0", "false", "no", "off")
     timing.wake = agent.wake
     agent.register("timing", timing.drain)
-    if not _HOOKS:
-        _HOOKS.extend((
-            optimizer.register_optimizer_step_pre_hook(timing.on_optimizer_step_begin),
-            optimizer.register_optimizer_step_post_hook(timing.on_optimizer_step)))
-    if hasattr(DDP.__init__, "__wrapped__"):
+    if _HOOKS:  # the step hooks and DDP's wrapper: once per process
         return
+    _HOOKS.extend((
+        optimizer.register_optimizer_step_pre_hook(timing.on_optimizer_step_begin),
+        optimizer.register_optimizer_step_post_hook(timing.on_optimizer_step)))
     original = DDP.__init__
 
     # DDP's own fused C++ all-reduce stays: a Python comm hook costs a second pass per bucket

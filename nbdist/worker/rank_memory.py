@@ -12,6 +12,7 @@ import os
 import resource
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from nbdist.worker.agent import TelemetryAgent
@@ -47,8 +48,7 @@ def _host_memory_total() -> int:
     total = int(psutil.virtual_memory().total)
     for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
         try:
-            with open(path) as limit_file:
-                text = limit_file.read().strip()
+            text = Path(path).read_text().strip()
         except OSError:
             continue
         return int(text) if text.isdigit() and 0 < int(text) < total else total
@@ -90,8 +90,7 @@ class MemorySampler:
         if cell_start and self._can_clear_refs:
             try:
                 # "5" resets VmHWM to the current RSS (Linux >= 4.0); no other side effect
-                with open("/proc/self/clear_refs", "w") as clear_refs:
-                    clear_refs.write("5")
+                Path("/proc/self/clear_refs").write_text("5")
             except OSError:
                 self._can_clear_refs = False
         status = read_status("VmRSS", "VmHWM")
