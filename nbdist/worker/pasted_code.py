@@ -310,8 +310,6 @@ class _RanInPlace:
     """Stands in for the child process a launcher would have started: already finished, exit 0
     (`join`, `is_alive`, `exitcode` and torch's `ProcessContext.join` all ask it)."""
 
-    returncode = 0
-
     def __init__(self) -> None:
         self.pid = os.getpid()
 
