@@ -35,7 +35,7 @@ from nbdist.worker.cell_channel import (
     ChannelEndpoint,
     ChannelSetup,
 )
-from nbdist.worker.frames import pack, unpack
+from nbdist.worker.frames import CellClassMissing, pack, unpack
 
 __all__ = ["CELL_REPLY", "COMM_TYPES", "ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
 
@@ -170,7 +170,13 @@ class NotebookChannel:
                     continue
                 try:
                     out.results[message.rank] = unpack(message.msg["buffers"])
-                except Exception as exc:  # e.g. a class the ranks define and this process not
+                except CellClassMissing as exc:
+                    out.failures[message.rank] = (
+                        f"the value holds {exc.name}, defined in a cell on the ranks, which the "
+                        "notebook does not define: it could not rebuild the value. Run the same "
+                        "definition in a plain notebook cell too, or pull plain types (dicts, "
+                        "lists, tuples, tensors).")
+                except Exception as exc:
                     out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
         return out
@@ -192,10 +198,8 @@ class NotebookChannel:
         """One name from each rank, {rank: value} in rank order (tensors arrive on CPU); the
         classes this notebook's `__main__` defines rebuild a value's cell-defined classes."""
         check_variable_name(name, "pull")
-        main = vars(sys.modules["__main__"]) if "__main__" in sys.modules else {}
-        classes = sorted(key for key, value in main.items() if isinstance(value, type))
         try:
-            gathered = self.call(ranks, rank_values.send_values, ([name], classes), timeout)
+            gathered = self.call(ranks, rank_values.send_values, ([name],), timeout)
         except KeyboardInterrupt:
             raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
                               "ranks still hold it") from None

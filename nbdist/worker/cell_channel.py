@@ -176,7 +176,8 @@ class CellServer:
         content = request["content"]
         buffers: list[Any] = []
         try:
-            function, args = unpack(request["buffers"])
+            # a pushed tensor goes to the rank's device (`device`, as its cells see it)
+            function, args = unpack(request["buffers"], self.shell.user_ns.get("device"))
             buffers = pack(function(*args))
             reply: dict[str, Any] = {"status": "ok"}
         except Exception as exc:
