@@ -17,15 +17,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
-from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.gather import Gathered, rank_error
 from nbdist.cluster.ranks import RankProcess
-from nbdist.errors import ClusterStartError, Interrupted, NbdistError
-from nbdist.worker import values as rank_values
+from nbdist.errors import NbdistError
 from nbdist.worker.cell_channel import (
     CALL_REQUEST,
     CELL_REPLY,
@@ -50,14 +48,6 @@ class ChannelMessage:
     token: str
     rank: int
     msg: dict[str, Any]
-
-
-class CommHandler(Protocol):
-    """What the notebook does with a rank's widget messages (nbdist.cells.widgets)."""
-
-    def __call__(self, message: ChannelMessage) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class NotebookChannel:
@@ -85,7 +75,7 @@ class NotebookChannel:
         self._held = False
         self._holds = 0
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
-        self.on_comm: CommHandler | None = None
+        self.on_comm: Any = None  # a rank's widget messages go to it (cells.widgets.WidgetRelay)
         self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
         self._send_lock = threading.Lock()  # the main thread, and a widget's twin from any thread
         self._tokens = itertools.count(1)
@@ -180,33 +170,6 @@ class NotebookChannel:
                     out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
         return out
-
-    def push(self, ranks: Sequence[RankProcess], values: dict[str, Any], timeout: float) -> None:
-        """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
-        values = check_pushed_values(values)
-        try:
-            gathered = self.call(ranks, rank_values.receive_values, (values,), timeout)
-        except KeyboardInterrupt:
-            raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may "
-                              "have the new values and others not; push again before using "
-                              "them") from None
-        if gathered.failures:
-            lines = [f"rank {rank}: {why}" for rank, why in sorted(gathered.failures.items())]
-            raise ClusterStartError("push failed:\n" + "\n".join(lines))
-
-    def pull(self, ranks: Sequence[RankProcess], name: str, timeout: float) -> dict[int, Any]:
-        """One name from each rank, {rank: value} in rank order (tensors arrive on CPU); the
-        classes this notebook's `__main__` defines rebuild a value's cell-defined classes."""
-        check_variable_name(name, "pull")
-        try:
-            gathered = self.call(ranks, rank_values.send_values, ([name],), timeout)
-        except KeyboardInterrupt:
-            raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
-                              "ranks still hold it") from None
-        if gathered.failures:
-            first = min(gathered.failures)
-            raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
-        return {r: gathered.results[r][name] for r in sorted(gathered.results)}
 
     def hold(self) -> None:
         """Read the PULL on this thread until `release` (one thread wake-up less per message
