@@ -243,12 +243,13 @@ def test_pushed_values_have_every_tensor_moved() -> None:
     model = torch.nn.Linear(2, 2)
     sparse = torch.eye(3).to_sparse()
     value = {"pair": Pair(torch.ones(1), [Holder(torch.zeros(3))]), "model": model, "n": 1,
-             "big": torch.ones(100_000), "sparse": sparse}
+             "big": torch.ones(100_000), "sparse": sparse, "empty": torch.zeros(2, 0)}
     # the meta device stands in for "another device" on a machine without one
     moved = unpack(pack(value), device="meta")
     assert type(moved["pair"]).__name__ == "Pair" and moved["pair"].x.device.type == "meta"
     assert moved["pair"].y[0].tensor.device.type == "meta"
     assert moved["big"].device.type == "meta" and moved["sparse"].device.type == "meta"
+    assert moved["empty"].shape == (2, 0)
     weight = moved["model"].weight
     assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
     assert weight.device.type == "meta" and model.weight.device.type == "cpu"

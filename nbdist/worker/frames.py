@@ -82,10 +82,13 @@ def _tensor(data: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
             parameter: bool, device: Any = None) -> Any:
     import torch
 
+    kind = getattr(torch, dtype.removeprefix("torch."))
     if memoryview(data).readonly:  # received as bytes: torch must not write into those
         data = bytearray(data)
-    kind = getattr(torch, dtype.removeprefix("torch."))
-    tensor = torch.frombuffer(data, dtype=torch.uint8).view(kind).reshape(shape)
+    if len(data):  # torch.frombuffer refuses an empty buffer
+        tensor = torch.frombuffer(data, dtype=torch.uint8).view(kind).reshape(shape)
+    else:
+        tensor = torch.empty(shape, dtype=kind)
     return _placed(tensor, requires_grad, parameter, device)
 
 
