@@ -36,12 +36,9 @@ def fingerprint(obj: Any, full: bool = False) -> dict[str, Any]:
 
 
 def fetch(names: list[str]) -> dict[str, Any]:
-    """Those of the named entries of the last fingerprinted object this rank has (one call asks
-    every rank for every name a diff needs)."""
-    import torch
-
-    return {name: _FLAT[name].detach().to("cpu") if isinstance(_FLAT[name], torch.Tensor)
-            else _FLAT[name] for name in names if name in _FLAT}
+    """Those of the named entries of the last fingerprinted object this rank has (detached
+    tensors: the frames bring them to the CPU). One call asks for every name a diff needs."""
+    return {name: _FLAT[name] for name in names if name in _FLAT}
 
 
 def local_entry(name: str) -> Any:
