@@ -132,9 +132,8 @@ class NotebookChannel:
         endpoints = {p.spec.rank: p.endpoint for p in ranks}
         token = self.new_token()
         buffers = pack((function, args))
-        name = f"{function.__module__}.{function.__qualname__}"
         for rank, endpoint in endpoints.items():
-            self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
+            self.send(rank, endpoint, CALL_REQUEST, {"token": token}, buffers)
         self.hold()
         try:
             return self._answers(token, set(endpoints), timeout)
