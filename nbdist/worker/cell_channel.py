@@ -150,11 +150,16 @@ class CellServer:
         self._finish(reply)
 
     async def _run_async(self, code: str, transformed: str) -> None:
+        result = None
         try:
             with _interruptible(asyncio.current_task()) as interrupted:
-                result = await self.shell.run_cell_async(
-                    code, store_history=True, silent=False, transformed_cell=transformed,
-                    preprocessing_exc_tuple=None)
+                try:
+                    result = await self.shell.run_cell_async(
+                        code, store_history=True, silent=False, transformed_cell=transformed,
+                        preprocessing_exc_tuple=None)
+                finally:  # run_cell triggers these around run_cell_async: the rank's hooks
+                    self.shell.events.trigger("post_execute")
+                    self.shell.events.trigger("post_run_cell", result)
             reply = _reply(result, interrupted[0])
         except BaseException as exc:
             reply = _failed(exc)
