@@ -169,6 +169,17 @@ def test_top_level_await_and_its_deadline(cluster2):
     rank_parity.check_top_level_await(cluster2)
 
 
+def test_an_await_cell_ends_with_ipythons_post_run_cell_like_any_other(cluster2):
+    """The rank's own hooks (telemetry's cell end, the profiler, the in-flight wait) hang on it."""
+    cluster2.run("ended = []\ndef _count(result=None): ended.append(1)\n"
+                 "get_ipython().events.register('post_run_cell', _count)").raise_for_errors()
+    try:
+        cluster2.run("import asyncio\nawait asyncio.sleep(0)").raise_for_errors()
+        assert cluster2.pull("ended") == {0: [1, 1], 1: [1, 1]}
+    finally:
+        cluster2.run("get_ipython().events.unregister('post_run_cell', _count)")
+
+
 @pytest.mark.parametrize("code", ["import time\nfor _ in range(600): time.sleep(0.05)",
                                   "import asyncio\nawait asyncio.sleep(600)"],
                          ids=["sync", "await"])

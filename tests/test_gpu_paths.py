@@ -4,6 +4,8 @@ tests/test_gpu.py proves the same paths on a CUDA machine."""
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import glob
 import os
 import stat
@@ -32,6 +34,7 @@ from nbdist.strategies._common import RANK_DEVICE_VAR, StrategyOptionError, rank
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.bootstrap import launcher_local_id
+from nbdist.worker.frames import pack, unpack
 from nbdist.worker.process_group import (
     NCCL_ENVIRONMENT,
     dump_environment,
@@ -40,7 +43,6 @@ from nbdist.worker.process_group import (
 )
 from nbdist.worker.rank_memory import nvml_uuids, physical_index
 from nbdist.worker.release import uses_nccl
-from nbdist.worker.values import move_tensors
 
 
 # -- 1. the NCCL world group has a CPU backend ---------------------------------------------------
@@ -229,27 +231,30 @@ def test_drain_never_waits_for_a_pending_value(metrics_agent) -> None:
 
 
 # -- 10. the smaller ones ------------------------------------------------------------------------
-def test_pulled_values_have_every_tensor_moved() -> None:
-    from collections import namedtuple
-    from dataclasses import dataclass
+Pair = collections.namedtuple("Pair", "x y")
 
-    Pair = namedtuple("Pair", "x y")
 
-    @dataclass
-    class Holder:
-        tensor: torch.Tensor
+@dataclasses.dataclass
+class Holder:
+    tensor: torch.Tensor
 
+
+def test_pushed_values_have_every_tensor_moved() -> None:
     model = torch.nn.Linear(2, 2)
-    value = {"pair": Pair(torch.ones(1), [Holder(torch.zeros(3))]), "model": model, "n": 1}
+    sparse = torch.eye(3).to_sparse()
+    value = {"pair": Pair(torch.ones(1), [Holder(torch.zeros(3))]), "model": model, "n": 1,
+             "big": torch.ones(100_000), "sparse": sparse, "empty": torch.zeros(2, 0)}
     # the meta device stands in for "another device" on a machine without one
-    moved = move_tensors(value, "meta")
+    moved = unpack(pack(value), device="meta")
     assert type(moved["pair"]).__name__ == "Pair" and moved["pair"].x.device.type == "meta"
     assert moved["pair"].y[0].tensor.device.type == "meta"
+    assert moved["big"].device.type == "meta" and moved["sparse"].device.type == "meta"
+    assert moved["empty"].shape == (2, 0)
     weight = moved["model"].weight
     assert isinstance(weight, torch.nn.Parameter) and weight.requires_grad
     assert weight.device.type == "meta" and model.weight.device.type == "cpu"
-    plain = {"n": 1, "t": torch.ones(1)}
-    assert move_tensors(plain, "cpu") is plain  # nothing to move: no copy
+    back = unpack(pack(value))  # no device: the CPU, as the notebook receives a pulled value
+    assert torch.equal(back["sparse"].to_dense(), torch.eye(3)) and back["model"].weight.is_leaf
 
 
 def test_a_pulled_value_of_a_class_only_the_ranks_define_is_refused_at_once(

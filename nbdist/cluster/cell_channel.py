@@ -1,11 +1,6 @@
-"""The notebook's end of the cell channel (a rank's end: nbdist.worker.cell_channel).
-
-One PULL receives what every rank sends; one DEALER per rank sends it cells, pdb answers and
-widget messages. A reader thread hands a rank's widget messages to `on_comm` at once, between
-cells too, and queues the rest in `inbox` for the cell runner. Every message is signed with the
-cluster's key and carries the cell's token and the rank, so a given-up cell's output is dropped.
-With `curve` both ends are CurveZMQ-encrypted; the public keys travel in the signed setup call.
-"""
+"""The notebook's end of the cell channel: one PULL for what every rank sends, one DEALER per
+rank; a reader thread hands widget messages to `on_comm` at once and the rest to the cell runner.
+Messages carry the cell's token and the rank, so a given-up cell's late output is dropped."""
 
 from __future__ import annotations
 
@@ -17,15 +12,13 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import psutil
 
-from nbdist.cluster.arguments import check_pushed_values, check_variable_name
 from nbdist.cluster.gather import Gathered, rank_error
 from nbdist.cluster.ranks import RankProcess
-from nbdist.errors import ClusterStartError, Interrupted, NbdistError
-from nbdist.worker import values as rank_values
+from nbdist.errors import NbdistError
 from nbdist.worker.cell_channel import (
     CALL_REQUEST,
     CELL_REPLY,
@@ -35,7 +28,7 @@ from nbdist.worker.cell_channel import (
     ChannelEndpoint,
     ChannelSetup,
 )
-from nbdist.worker.frames import pack, unpack
+from nbdist.worker.frames import CellClassMissing, pack, unpack
 
 __all__ = ["CELL_REPLY", "COMM_TYPES", "ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
 
@@ -45,19 +38,9 @@ CLOSE_TIMEOUT = 5.0  # seconds for the reader thread to stop (unless a widget ha
 
 @dataclass(frozen=True, slots=True)
 class ChannelMessage:
-    """One message from a rank: its cell token ("" between cells), rank and the Jupyter message."""
-
-    token: str
+    token: str  # the cell's ("" between cells)
     rank: int
     msg: dict[str, Any]
-
-
-class CommHandler(Protocol):
-    """What the notebook does with a rank's widget messages (nbdist.cells.widgets)."""
-
-    def __call__(self, message: ChannelMessage) -> None: ...
-
-    def close(self) -> None: ...
 
 
 class NotebookChannel:
@@ -85,7 +68,7 @@ class NotebookChannel:
         self._held = False
         self._holds = 0
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
-        self.on_comm: CommHandler | None = None
+        self.on_comm: Any = None  # a rank's widget messages go to it (cells.widgets.WidgetRelay)
         self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
         self._send_lock = threading.Lock()  # the main thread, and a widget's twin from any thread
         self._tokens = itertools.count(1)
@@ -100,8 +83,8 @@ class NotebookChannel:
         self._reader.start()
 
     def setup_for(self, bind_host: str, ends_with_kernel: bool) -> ChannelSetup:
-        """A rank's setup; `ends_with_kernel`: it ends itself once this process is gone (engines
-        nbdist started; never an attached cluster's)."""
+        """`ends_with_kernel`: the rank ends itself once this process is gone (engines nbdist
+        started; never an attached cluster's)."""
         kernel = (os.getpid(), self._create_time) if ends_with_kernel else None
         return ChannelSetup(self.address, bind_host, self.public_key, kernel)
 
@@ -113,7 +96,6 @@ class NotebookChannel:
         self.send(rank, endpoint, CELL_REQUEST, {"token": token, "code": code})
 
     def send_answer(self, rank: int, endpoint: ChannelEndpoint, seq: str, line: str) -> None:
-        """The answer to a rank's pdb prompt `seq`."""
         self.send(rank, endpoint, PDB_ANSWER, {"seq": seq, "line": line})
 
     def send(self, rank: int, endpoint: ChannelEndpoint, msg_type: str, content: dict[str, Any],
@@ -140,15 +122,18 @@ class NotebookChannel:
 
     def call(self, ranks: Sequence[RankProcess], function: Callable[..., Any],
              args: tuple[Any, ...], timeout: float) -> Gathered[int]:
-        """`function(*args)` on each rank between cells (a function of an importable module:
-        it travels by name), results under one deadline; never raises for a rank's failure or
-        silence. Not while a cell runs: its messages would be taken for late output."""
-        endpoints = _endpoints(ranks)
+        """`function(*args)` (importable: it travels by name) on each rank between cells, under
+        one deadline; never raises for a rank's failure or silence. Not while a cell runs: its
+        messages would be taken for late output."""
+        missing = [p.spec.rank for p in ranks if p.endpoint is None]
+        if missing:
+            raise NbdistError(f"rank(s) {missing} have no cell channel (their setup did not "
+                              "finish)")
+        endpoints = {p.spec.rank: p.endpoint for p in ranks}
         token = self.new_token()
         buffers = pack((function, args))
-        name = f"{function.__module__}.{function.__qualname__}"
         for rank, endpoint in endpoints.items():
-            self.send(rank, endpoint, CALL_REQUEST, {"token": token, "name": name}, buffers)
+            self.send(rank, endpoint, CALL_REQUEST, {"token": token}, buffers)
         self.hold()
         try:
             return self._answers(token, set(endpoints), timeout)
@@ -170,43 +155,20 @@ class NotebookChannel:
                     continue
                 try:
                     out.results[message.rank] = unpack(message.msg["buffers"])
-                except Exception as exc:  # e.g. a class the ranks define and this process not
+                except CellClassMissing as exc:
+                    out.failures[message.rank] = (
+                        f"the value holds {exc.name}, defined in a cell on the ranks, which the "
+                        "notebook does not define: it could not rebuild the value. Run the same "
+                        "definition in a plain notebook cell too, or pull plain types (dicts, "
+                        "lists, tuples, tensors).")
+                except Exception as exc:
                     out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
         return out
 
-    def push(self, ranks: Sequence[RankProcess], values: dict[str, Any], timeout: float) -> None:
-        """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
-        values = check_pushed_values(values)
-        try:
-            gathered = self.call(ranks, rank_values.receive_values, (values,), timeout)
-        except KeyboardInterrupt:
-            raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may "
-                              "have the new values and others not; push again before using "
-                              "them") from None
-        if gathered.failures:
-            lines = [f"rank {rank}: {why}" for rank, why in sorted(gathered.failures.items())]
-            raise ClusterStartError("push failed:\n" + "\n".join(lines))
-
-    def pull(self, ranks: Sequence[RankProcess], name: str, timeout: float) -> dict[int, Any]:
-        """One name from each rank, {rank: value} in rank order (tensors arrive on CPU); the
-        classes this notebook's `__main__` defines rebuild a value's cell-defined classes."""
-        check_variable_name(name, "pull")
-        main = vars(sys.modules["__main__"]) if "__main__" in sys.modules else {}
-        classes = sorted(key for key, value in main.items() if isinstance(value, type))
-        try:
-            gathered = self.call(ranks, rank_values.send_values, ([name], classes), timeout)
-        except KeyboardInterrupt:
-            raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
-                              "ranks still hold it") from None
-        if gathered.failures:
-            first = min(gathered.failures)
-            raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
-        return {r: gathered.results[r][name] for r in sorted(gathered.results)}
-
     def hold(self) -> None:
-        """Read the PULL on this thread until `release` (one thread wake-up less per message
-        while a cell or a call waits); what the reader thread took before is in `inbox`."""
+        """Read the PULL on this thread until `release` (no thread wake-up per message while a
+        cell or a call waits); what the reader thread took before is in `inbox`."""
         self._holds += 1
         tag = str(self._holds).encode()
         self._wake.send(b"hold " + tag)
@@ -222,7 +184,6 @@ class NotebookChannel:
             raise KeyboardInterrupt
 
     def release(self) -> None:
-        """The reader thread reads again (between cells: a rank's widget messages)."""
         self._held = False
         self._wake.send(b"read")
 
@@ -247,7 +208,6 @@ class NotebookChannel:
         return messages
 
     def _read(self, woken: Any) -> None:
-        """The reader thread: the PULL between cells, until `close`."""
         zmq = self._zmq
         poller = zmq.Poller()
         poller.register(self._pull, zmq.POLLIN)
@@ -291,8 +251,8 @@ class NotebookChannel:
                       file=sys.__stderr__)
 
     def close(self) -> None:
-        """Close every socket. The ranks nbdist started end themselves once the PULL is gone
-        and this kernel too, or, on another machine, at once: close it after they stopped."""
+        """Close it after the ranks stopped: those nbdist started end themselves once the PULL
+        is gone (and, on this machine, the kernel)."""
         self._wake.send(b"stop")
         self._reader.join(CLOSE_TIMEOUT)
         if self.on_comm is not None:
@@ -307,17 +267,11 @@ class NotebookChannel:
 
 def open_channel(channel: NotebookChannel | None, client: Any, bind_host: str,
                  curve: bool) -> NotebookChannel:
-    """The channel for a cluster whose ipyparallel client is `client` (its key signs every
-    message): `channel` if it listens on `bind_host` with that encryption, else a new one."""
+    """`channel` if it listens on `bind_host` with that encryption, else a new one signed with
+    the ipyparallel client's key."""
     if channel is not None:
         if channel.bind_host == bind_host and (channel.public_key is not None) == curve:
             return channel
         channel.close()
     return NotebookChannel(client.session.key, client.session.signature_scheme, bind_host, curve)
 
-
-def _endpoints(ranks: Sequence[RankProcess]) -> dict[int, ChannelEndpoint]:
-    missing = [p.spec.rank for p in ranks if p.endpoint is None]
-    if missing:
-        raise NbdistError(f"rank(s) {missing} have no cell channel (their setup did not finish)")
-    return {p.spec.rank: p.endpoint for p in ranks if p.endpoint is not None}

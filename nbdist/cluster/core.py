@@ -1,9 +1,5 @@
-"""`ClusterCore`: start, bootstrap, restart and stop a set of ipyparallel engines as torch ranks.
-
-A small facade over the cluster layer's parts (`launch_modes`, `processes`, `liveness`,
-`rendezvous`, `rank_setup`): it owns the rank table and the process-group generation, and
-stops everything it started by PID.
-"""
+"""`ClusterCore`: ipyparallel engines started, set up, restarted and stopped as torch ranks; it
+owns the rank table and the process-group generation, and stops what it started by PID."""
 
 from __future__ import annotations
 
@@ -16,7 +12,11 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from nbdist.cluster import rank_setup
-from nbdist.cluster.arguments import check_cluster_arguments
+from nbdist.cluster.arguments import (
+    check_cluster_arguments,
+    check_pushed_values,
+    check_variable_name,
+)
 from nbdist.cluster.cell_channel import NotebookChannel, open_channel
 from nbdist.cluster.gather import Gathered, gather
 from nbdist.cluster.launch_modes import AttachedMode, LaunchMode, Progress, launch_mode
@@ -26,8 +26,9 @@ from nbdist.cluster.ranks import RankProcess, RankSpec, check_targets, validate_
 from nbdist.cluster.rendezvous import Rendezvous
 from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.config import DEFAULT, NbdistConfig
-from nbdist.errors import ClusterNotRunningError, Interrupted, NbdistError
+from nbdist.errors import ClusterNotRunningError, ClusterStartError, Interrupted, NbdistError
 from nbdist.worker import bootstrap
+from nbdist.worker import values as rank_values
 from nbdist.worker.net import free_port
 
 __all__ = ["ClusterCore", "Progress", "RankProcess", "free_port"]
@@ -42,10 +43,9 @@ class ClusterCore:
                  master_addr: str | None = None, launcher: str = "local",
                  launcher_options: dict[str, Any] | None = None, profile: str | None = None,
                  interface: str | None = None) -> None:
-        """`launcher`: how ipyparallel starts the engines (local, mpi, slurm, ssh; see
-        nbdist.cluster.launchers for `launcher_options`). `profile`: use the engines already
-        running in that ipyparallel profile (see `Cluster.attach`). `master_addr`: the
-        rendezvous address (default: 127.0.0.1 on one host, rank 0's address across hosts).
+        """`launcher`: local, mpi, slurm or ssh (`launcher_options`: nbdist.cluster.launchers).
+        `profile`: the engines already running in that ipyparallel profile (`Cluster.attach`).
+        `master_addr`: default 127.0.0.1 on one host, rank 0's address across hosts.
         `interface`: the network interface ranks talk over (GLOO/NCCL_SOCKET_IFNAME)."""
         options = check_cluster_arguments(
             n=n, gpus_per_rank=gpus_per_rank, threads=threads, config=config,
@@ -108,7 +108,6 @@ class ClusterCore:
         return self.launch_mode.engines.launchers()
 
     def channel(self) -> NotebookChannel:
-        """The cell channel to every rank (made at each setup)."""
         self._require_running()
         return self.cell_channel  # type: ignore[return-value]
 
@@ -127,8 +126,8 @@ class ClusterCore:
         return self.client[engine_id]
 
     def mark_dead(self, rank: int, detail: str, notify: bool = True) -> None:
-        """The one place a rank becomes dead. `notify=False` off the notebook's thread
-        (poll_dead tells the listeners later) and on stop (nobody watches a stopped cluster)."""
+        """The one place a rank becomes dead. `notify=False` off the notebook's thread (poll_dead
+        tells the listeners later) and on stop."""
         self.ranks[rank].state, self.ranks[rank].exit_detail = "dead", detail
         if notify:
             self.telemetry.rank_state(rank, "dead", detail)
@@ -144,13 +143,12 @@ class ClusterCore:
         return check_targets(self.ranks, ranks)
 
     def attach_to(self, target: dict[str, Any]) -> None:
-        """Use the engines of the running ipyparallel cluster `target` names (ipyparallel.Client's
-        arguments) instead of starting any (`Cluster.attach`)."""
+        """Use the engines of the ipyparallel cluster `target` names (Client's arguments)."""
         self.launch_mode = AttachedMode(self._processes, self._liveness.record_exit, target)
 
     def start(self, progress: Progress | None = None) -> ClusterCore:
-        """Start controller and engines, give them ranks and a process group; return when a real
-        all_reduce has succeeded on every rank. On failure nothing is left running."""
+        """Start controller and engines, give them ranks and a process group; return once a real
+        all_reduce succeeded on every rank. On failure nothing is left running."""
         if self.running:
             return self
         started = time.perf_counter()
@@ -190,8 +188,8 @@ class ClusterCore:
     def _new_generation(self, specs: list[RankSpec], probes: dict[int, Any],
                         threads: dict[int, int], living: Iterable[RankProcess] = ()
                         ) -> list[RankProcess]:
-        """A new process-group generation on a fresh port: the ranks of `specs` set up and join
-        it, the `living` ones rebuild into it; returns the new ranks."""
+        """A new process-group generation: the ranks of `specs` set up and join it, the `living`
+        ones rebuild into it; returns the new ranks."""
         self.generation += 1
         client, timeout = self.launch_mode.client, self.config.start.bootstrap_timeout
         rank0 = next((s for s in specs if s.rank == 0), None) or self.ranks[0].spec
@@ -203,26 +201,23 @@ class ClusterCore:
             ends_with_kernel=self.launch_mode.owns_engines)
 
     def _settled(self, new_ids: list[int]) -> None:
-        """New ranks are set up: their collectors freeze; the controller's children are noted."""
         self._processes.remember_controller_children()
         rank_setup.freeze_collectors(self.launch_mode.client, new_ids,
                                      self.config.start.bootstrap_timeout)
 
     def all_pids(self) -> list[int]:
-        """Every process this cluster started (controller, engines, nannies, fork server)."""
         return [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]
 
     def poll_dead(self) -> dict[int, str]:
-        """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc."""
+        """Ranks whose engine exited since the last check: rank -> 'signal 9' etc."""
         return self._liveness.poll_dead()
 
     def engine_log_tail(self, rank: int, lines: int) -> str:
-        """The last lines an engine wrote to its own log (crash messages land there)."""
         return self.launch_mode.engines.log_tail(self.ranks[rank].pid, lines)
 
     def release_rank(self, rank: int) -> bool:
-        """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);
-        False if its engine was not started by nbdist and has no such signal."""
+        """Make the collective a rank is blocked in fail (nbdist.worker.release); False if its
+        engine has no such signal (not started by nbdist)."""
         proc = self.ranks[rank]
         if proc.release_signal is None or proc.state != "alive":
             return False
@@ -257,17 +252,38 @@ class ClusterCore:
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
         """Bind names on the ranks; tensors go to CPU for the trip and to each rank's device."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
-        self.channel().push(targets, values, self.config.start.bootstrap_timeout)
+        values = check_pushed_values(values)
+        try:
+            gathered = self.channel().call(targets, rank_values.receive_values, (values,),
+                                           self.config.start.bootstrap_timeout)
+        except KeyboardInterrupt:
+            raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may "
+                              "have the new values and others not; push again before using "
+                              "them") from None
+        if gathered.failures:
+            lines = [f"rank {rank}: {why}" for rank, why in sorted(gathered.failures.items())]
+            raise ClusterStartError("push failed:\n" + "\n".join(lines))
 
     def pull(self, name: str, ranks: Iterable[int] | None = None) -> dict[int, Any]:
-        """Fetch one name from the ranks: {rank: value} (tensors arrive on CPU)."""
+        """One name from the ranks, {rank: value} in rank order (tensors arrive on CPU); the
+        notebook's `__main__` rebuilds a value's cell-defined classes."""
         targets = [self.ranks[r] for r in self.targets(ranks)]
-        return self.channel().pull(targets, name, self.config.start.bootstrap_timeout)
+        check_variable_name(name, "pull")
+        try:
+            gathered = self.channel().call(targets, rank_values.send_values, ([name],),
+                                           self.config.start.bootstrap_timeout)
+        except KeyboardInterrupt:
+            raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
+                              "ranks still hold it") from None
+        if gathered.failures:
+            first = min(gathered.failures)
+            raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
+        return {r: gathered.results[r][name] for r in sorted(gathered.results)}
 
     def call(self, function: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
              timeout: float | None = None) -> Gathered[int]:
-        """`function(*args)` on the ranks between cells, over the cell channel: each rank's result,
-        or why it has none (it raised, is dead, did not answer in time); never raises for one."""
+        """`function(*args)` on the ranks between cells: each rank's result, or why it has none
+        (it raised, is dead, did not answer in time); never raises for one."""
         self._require_running()
         self.poll_dead()
         wanted = list(range(self.world_size) if ranks is None else ranks)
@@ -279,8 +295,7 @@ class ClusterCore:
         return gathered
 
     def restart(self, progress: Progress | None = None) -> ClusterCore:
-        """Same ranks, new engine processes, new process group. Works after a dead rank or a
-        lost controller."""
+        """Same ranks, new engines, new process group (after a dead rank or a lost controller)."""
         say, mode = progress or (lambda _msg: None), self.launch_mode
         n = self.world_size or mode.rank_count(self.requested_n)
         started = time.perf_counter()
@@ -311,10 +326,9 @@ class ClusterCore:
             "running; run %dist_restart (Cluster.restart()) again for a full cluster")
 
     def replace_dead(self, progress: Progress | None = None) -> list[int]:
-        """New processes for the dead ranks only (same numbers and devices), and a new process
-        group that every rank joins: the living ranks keep their variables, the new ones start
-        empty (no setup cell is re-run: it may hold collectives the others would repeat). Local
-        engines only; otherwise use `restart`. Returns the ranks replaced."""
+        """New processes for the dead ranks only (same numbers and devices) and a new group for
+        all: the living keep their variables, the new start empty (no setup cell is re-run: it
+        may hold collectives the others would repeat). Returns the ranks replaced."""
         self._require_running()
         self.poll_dead()
         dead = [p for p in self.ranks if p.state == "dead"]
@@ -346,7 +360,7 @@ class ClusterCore:
         return [s.rank for s in specs]
 
     def stop(self) -> list[int]:
-        """Stop every process this cluster started, by PID; returns the PIDs that were stopped."""
+        """Stop every process this cluster started; returns their PIDs."""
         pids = self.all_pids()
         self._teardown_processes()
         return pids

@@ -22,8 +22,8 @@ class Gathered(Generic[K]):
 
 
 def gather(asyncs: Mapping[K, Any], timeout: float) -> Gathered[K]:
-    """Wait for every ipyparallel AsyncResult in `asyncs` until one deadline `timeout` s away;
-    never raises: an engine that raised or did not answer in time lands in `failures`."""
+    """Every ipyparallel AsyncResult in `asyncs` under one deadline; never raises: an engine that
+    raised or did not answer in time lands in `failures`."""
     deadline = time.monotonic() + timeout
     out: Gathered[K] = Gathered()
     for key, ar in asyncs.items():
@@ -36,7 +36,7 @@ def gather(asyncs: Mapping[K, Any], timeout: float) -> Gathered[K]:
 
 
 def collect(asyncs: Mapping[K, Any], timeout: float, what: str) -> dict[K, Any]:
-    """Every result, or one ClusterStartError that names each engine that failed and why."""
+    """Every result, or one ClusterStartError naming each engine that failed and why."""
     gathered = gather(asyncs, timeout)
     if gathered.failures:
         lines = [f"engine {key}: {why}" for key, why in gathered.failures.items()]
@@ -51,6 +51,6 @@ def short_error(exc: BaseException) -> str:
 
 
 def rank_error(ename: Any, evalue: Any, traceback: Any = None) -> str:
-    """How a rank's error reads in a failure list: `EName: value` and its traceback's end."""
+    """`EName: value` and the traceback's end, as a failure list shows it."""
     text = f"{ename}: {evalue}"
     return f"{text}\n{tail(str(traceback), 12)}" if traceback else text

@@ -1,6 +1,5 @@
-"""The notebook's half of the rank bootstrap: how many ranks, probe the engines, give them ranks,
-and send each what `nbdist.worker.bootstrap.setup_rank` needs (env, threads, rendezvous). The
-cluster's state (generation, rank table) stays in `ClusterCore`; these only compute and call."""
+"""The notebook's half of the rank bootstrap: how many ranks, probe the engines, give them ranks
+and send each its `RankSetup`. The state (generation, rank table) stays in `ClusterCore`."""
 
 from __future__ import annotations
 
@@ -52,7 +51,6 @@ def rank_count(requested_n: int | None, plan: LauncherPlan | None) -> int:
 
 
 def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, Any]:
-    """What each engine is (nbdist.worker.bootstrap.probe), by engine id."""
     peer = controller_host(client)
     probes = collect({eid: client[eid].apply_async(bootstrap.probe, peer) for eid in ids},
                      timeout, "probing engines (torch import)")
@@ -64,8 +62,7 @@ def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, Any]:
 
 def plan_ranks(probes: dict[int, Any], requested_backend: str, gpus_per_rank: int,
                host_order: list[str] | None) -> list[RankSpec]:
-    """The rank table for the probed engines (hosts in `host_order` first: ranks survive
-    restarts)."""
+    """The rank table (hosts in `host_order` first: ranks survive restarts)."""
     infos = [EngineInfo(engine_id=eid, host=found["host"], pid=found["pid"],
                         gpu_count=found["gpu_count"],
                         gpu_uuids=tuple(found.get("gpu_uuids") or ()),
@@ -77,9 +74,8 @@ def plan_ranks(probes: dict[int, Any], requested_backend: str, gpus_per_rank: in
 
 
 def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: int) -> int:
-    """`gpus_per_rank`, or 0 (CPU ranks, gloo) with a warning when the backend was left to
-    nbdist and some host has fewer GPUs than ranks: a tutorial's `-n 2` then runs on a one-GPU
-    laptop or Colab. `--backend nccl` keeps it an error (build_rank_map says which host)."""
+    """`gpus_per_rank`, or 0 (CPU ranks, with a warning) when the backend was left to nbdist and
+    a host has too few GPUs: a tutorial's `-n 2` runs on a one-GPU laptop. nccl keeps the error."""
     shortfall = gpu_shortfall(infos, gpus_per_rank)
     if shortfall is None or requested_backend != "auto":
         return gpus_per_rank
@@ -100,8 +96,8 @@ def rank_threads(specs: list[RankSpec], probes: dict[int, Any],
 
 
 def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[str, bool]:
-    """Host -> whether its engines' CPU affinities are disjoint (a launcher bound each task to
-    its share already: dividing it again by the ranks on the host would starve them)."""
+    """Host -> whether its engines' CPU affinities are disjoint (a launcher bound each task to its
+    share: dividing that again by the ranks on the host would starve them)."""
     cores: dict[str, list[frozenset[int]]] = {}
     for spec in specs:
         affinity = probes[spec.engine_id].get("cpu_affinity") or ()
@@ -113,9 +109,8 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
                 threads: dict[int, int], living: list[int], *, port: int, generation: int,
                 rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
                 channel: NotebookChannel, ends_with_kernel: bool) -> list[RankProcess]:
-    """One new process-group generation: each rank of `specs` sets up (environment, device,
-    telemetry) and joins it, and the `living` engines rebuild into it, both sides at once.
-    `ends_with_kernel`: the new ranks end themselves once this kernel is gone."""
+    """One new process-group generation: the ranks of `specs` set up and join it while the
+    `living` engines rebuild into it. `ends_with_kernel`: new ranks end with this kernel."""
     store_path = rendezvous.store_path(workdir, generation)
     asyncs = {}
     for spec in specs:
@@ -148,7 +143,6 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
 
 
 def freeze_collectors(client: Any, ids: list[int], timeout: float) -> None:
-    """Move everything alive now (torch, IPython: millions of objects) out of each engine's
-    collector's reach: the engine's exit then skips a multi-second final gc.collect (%dist_stop),
-    and full collections during training stop rescanning torch's own objects."""
+    """Everything alive now (torch, IPython: millions of objects) out of each engine's collector's
+    reach: exit skips a multi-second final gc.collect, and training's full collections are cheap."""
     gather({eid: client[eid].apply_async(gc.freeze) for eid in ids}, timeout)

@@ -1,6 +1,5 @@
-"""Who is which rank: pure functions from the engines that registered to ranks and devices, and
-the record of each rank's process (`RankProcess`). Engine ids change across restarts, so ranks
-come from (host, a stable per-host slot), never from engine ids."""
+"""Who is which rank: pure functions from registered engines to ranks and devices, and each
+rank's record (`RankProcess`). Engine ids change across restarts: ranks come from (host, slot)."""
 
 from __future__ import annotations
 
@@ -14,11 +13,9 @@ from nbdist.worker.cell_channel import ChannelEndpoint
 from nbdist.worker.setup_message import RankSpec
 
 BACKENDS = ("auto", "nccl", "gloo")
-"""The values `backend=` (and `%dist_start --backend`) accept."""
 
 
 def validate_backend(requested: str, gpus_per_rank: int = 1) -> str:
-    """`requested` if it names a backend nbdist knows and the GPUs per rank allow."""
     if requested not in BACKENDS:
         raise NbdistError(f"--backend {requested!r}: choose auto, nccl or gloo")
     if requested == "nccl" and gpus_per_rank == 0:
@@ -30,23 +27,16 @@ def validate_backend(requested: str, gpus_per_rank: int = 1) -> str:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What an engine reported about itself before it got a rank."""
-
     engine_id: int
     host: str
     pid: int
     gpu_count: int = 0
-    gpu_uuids: tuple[str, ...] = ()
-    """The GPUs it sees, in its own index order (empty when unknown)."""
-    local_id: int | None = None
-    """Its place among the tasks on its host as the launcher numbered them (SLURM_LOCALID,
-    OMPI_COMM_WORLD_LOCAL_RANK), if any."""
+    gpu_uuids: tuple[str, ...] = ()  # the GPUs it sees, in its own index order
+    local_id: int | None = None  # its launcher's number on its host (SLURM_LOCALID...), if any
 
 
 @dataclass
 class RankProcess:
-    """A rank as the notebook knows it: its engine, process and state."""
-
     spec: RankSpec
     pid: int
     create_time: float
@@ -63,7 +53,7 @@ class RankProcess:
 
 
 def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> list[int]:
-    """The ranks a call goes to (all by default), sorted; each must exist and be alive."""
+    """The ranks a call goes to (all by default), sorted, each checked to exist and be alive."""
     world_size = len(ranks)
     chosen = check_rank_selection(selection)
     targets = list(range(world_size)) if chosen is None else sorted(set(chosen))
@@ -77,7 +67,7 @@ def check_targets(ranks: list[RankProcess], selection: Iterable[int] | None) -> 
 
 
 def parse_ranks(text: str, world_size: int) -> list[int]:
-    """Parse a rank selection such as ``"0,2-3"`` into a sorted list, checking bounds."""
+    """``"0,2-3"`` -> ``[0, 2, 3]``, checked against `world_size`."""
     if not text.strip():
         raise NbdistError("--ranks is empty: give ranks like 0,2-3")
     selected: set[int] = set()
@@ -134,7 +124,6 @@ def each_its_own(sets: list[frozenset[str]] | list[frozenset[int]]) -> bool:
 
 
 def _by_host(engines: list[EngineInfo]) -> dict[str, list[EngineInfo]]:
-    """The engines of each host, hosts in first-seen order."""
     hosts: dict[str, list[EngineInfo]] = {}
     for engine in engines:
         hosts.setdefault(engine.host, []).append(engine)
@@ -142,10 +131,10 @@ def _by_host(engines: list[EngineInfo]) -> dict[str, list[EngineInfo]]:
 
 
 def gpu_shortfall(engines: list[EngineInfo], gpus_per_rank: int) -> str | None:
-    """Why one rank per `gpus_per_rank` GPUs cannot be, on the first host where it cannot (its
-    engines share GPUs and there are too few), or None when every rank can have its own."""
+    """Why not every rank can have its own `gpus_per_rank` GPUs, on the first host where its
+    engines share too few; None when they can (or CPU ranks are asked for, or there are no GPUs)."""
     if gpus_per_rank == 0 or not any(e.gpu_count for e in engines):
-        return None  # CPU ranks asked for, or a machine without GPUs: nothing falls short
+        return None
     for host, members in _by_host(engines).items():
         visible = min(e.gpu_count for e in members)
         own = each_its_own([frozenset(e.gpu_uuids) for e in members])
@@ -213,6 +202,6 @@ def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tupl
 
 
 def default_threads(cpu_count: int, local_world_size: int, own_cores: bool = False) -> int:
-    """Cores divided by the ranks on this host, at least one; all of `cpu_count` when each
-    rank's affinity is its own already (Slurm binds each task to its share)."""
+    """Cores divided by the ranks on the host, at least one; all of them when each rank's affinity
+    is its own already (Slurm binds each task to its share)."""
     return max(1, cpu_count if own_cores else cpu_count // max(1, local_world_size))

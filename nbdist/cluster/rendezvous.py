@@ -1,6 +1,5 @@
-"""Where the ranks meet: the master address (rank 0's), the interface their sockets use, where
-each end of the cell channel listens, and per process-group generation a fresh store (a file in
-the private directory, or a port on rank 0). On one host nothing leaves loopback."""
+"""Where the ranks meet (master address, interface, each generation's store) and where each end
+of the cell channel listens. On one host nothing leaves loopback."""
 
 from __future__ import annotations
 
@@ -18,8 +17,6 @@ from nbdist.worker.process_tree import same_process
 
 
 class Rendezvous:
-    """The master address and interface of a cluster, chosen again at each bootstrap."""
-
     def __init__(self, master_addr: str | None, interface: str | None) -> None:
         self.requested_master_addr = master_addr
         self.master_addr = master_addr or "127.0.0.1"
@@ -51,15 +48,14 @@ class Rendezvous:
             self.master_addr = address
 
     def rank_interface(self, probe: dict[str, Any]) -> str | None:
-        """The interface one rank's sockets use: --interface, else (across hosts) the one that
-        rank reaches the controller by; None for a local cluster."""
+        """--interface, else (across hosts) the one the rank reaches the controller by."""
         if self.interface is not None or not self.spans_hosts:
             return self.interface
         return probe.get("route_interface") or None
 
     def channel_host(self, probe: dict[str, Any]) -> str:
-        """Where a rank's cell channel listens: loopback on one host; across hosts the rank's
-        address on --interface, else the one it reaches the controller (this host) by."""
+        """Where a rank's cell channel listens: loopback on one host, else the rank's address on
+        --interface or the one it reaches the controller by."""
         if not self.spans_hosts:
             return "127.0.0.1"
         address = _probe_address(probe, self.interface) or probe.get("route_address")
@@ -70,9 +66,8 @@ class Rendezvous:
         return str(address)
 
     def notebook_host(self, client: Any, probes: dict[int, Any]) -> str:
-        """Where the notebook's end of the cell channel listens: loopback on one host; across
-        hosts this host's address on --interface, else the one the engines reach the controller
-        by when the controller runs here, else the one this host reaches the first rank by."""
+        """Where the notebook's end listens: loopback on one host; else this host's address on
+        --interface, the controller's when it runs here, or the one it reaches a rank by."""
         if not self.spans_hosts:
             return "127.0.0.1"
         if self.interface is not None and net.interface_ipv4(self.interface):
@@ -87,13 +82,12 @@ class Rendezvous:
                                 "pass interface= (--interface)")
 
     def store_path(self, workdir: str, generation: int) -> str | None:
-        """A file store per generation in the private directory when every rank is local."""
         if self.spans_hosts or not workdir:
             return None
         return os.path.join(workdir, f"store-generation-{generation}")
 
     def port(self, client: Any, rank0_engine: int, timeout: float) -> int:
-        """A fresh port for the store: picked here for a local master, else on rank 0 itself."""
+        """A fresh port for the store: picked here for a local master, else on rank 0."""
         if net.is_loopback(self.master_addr) or not self.spans_hosts:
             return net.free_port(self.master_addr)
         ar = client[rank0_engine].apply_async(net.free_port, self.master_addr)
@@ -106,7 +100,6 @@ class Rendezvous:
 
 
 def _probe_address(probe: dict[str, Any], interface: str | None) -> str | None:
-    """A rank's address on `interface`, else (none given) the one it reaches the controller by."""
     found = (probe.get("addresses", {}).get(interface, []) if interface is not None
              else [probe.get("route_address")])
     return str(found[0]) if found and found[0] else None

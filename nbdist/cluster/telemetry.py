@@ -1,8 +1,5 @@
-"""Notebook-side fan-out of rank telemetry to whoever listens (dashboards, tests, benchmarks).
-
-A listener that raises is reported once and skipped for that call: the dashboard never breaks a
-cell. `last_payload` keeps each rank's last full payload, so fault reports keep its "where".
-"""
+"""Rank telemetry fanned out to listeners (dashboards, tests); one that raises is reported once
+and never breaks a cell. `last_payload` keeps each rank's last full payload (fault reports)."""
 
 from __future__ import annotations
 
@@ -32,7 +29,6 @@ class TelemetryHub:
             self._listeners.remove(listener)
 
     def publish(self, rank: int, payload: dict[str, Any]) -> None:
-        """A rank's payload (nbdist.worker.agent), on the notebook's main thread."""
         previous = self.last_payload.get(rank)
         reason = payload.get("reason")
         if reason == "log" and previous is not None:

@@ -1,6 +1,5 @@
-"""Rank side of ``breakpoint()`` in a ``%%distributed`` cell: a pdb whose prompt travels to the
-notebook as a telemetry payload and whose commands come back over the cell channel, on any host
-(the notebook half: `nbdist.cells.breakpoints`)."""
+"""``breakpoint()`` on a rank: a pdb whose prompt travels to the notebook as telemetry and whose
+commands come back over the cell channel (the notebook half: `nbdist.cells.breakpoints`)."""
 
 from __future__ import annotations
 
@@ -17,23 +16,20 @@ from nbdist.worker.post_mortem import CapturedPdb
 
 SKIPPED_MODULES = ["IPython.*", "ipykernel.*", "ipyparallel.*", "nbdist.*", "tornado.*",
                    "asyncio.*", "zmq.*", "traitlets.*", "contextlib", "codeop"]
-"""Frames `n`/`s` never stop in: the engine's and nbdist's own (its collective wrappers), and
-the compiler IPython calls between a cell's statements."""
+"""Frames `n`/`s` never stop in: the engine's, nbdist's (collective wrappers), IPython's codeop."""
 
 _SEQ = itertools.count(1)
 _AGENT: Any = None  # the rank's TelemetryAgent: publishes prompts, knows whether a cell runs
 
 
 def install(agent: Any) -> None:
-    """Make ``breakpoint()`` on this rank ask the notebook."""
     global _AGENT
     _AGENT = agent
     sys.breakpointhook = hook
 
 
 def hook(*_args: Any, **_kwargs: Any) -> None:
-    """``sys.breakpointhook``: stop the caller's frame at a notebook-driven pdb, or say in one
-    line why this rank cannot and go on."""
+    """Stop the caller at a notebook-driven pdb, or say in one line why this rank cannot."""
     if _AGENT is None:
         return
     why = None
@@ -52,7 +48,7 @@ def hook(*_args: Any, **_kwargs: Any) -> None:
 
 
 class RankPdb(CapturedPdb):
-    """pdb with its output captured and its input (its own `readline`) answered by the notebook."""
+    """pdb with its output captured and its input (`readline`) answered by the notebook."""
 
     def __init__(self, agent: Any) -> None:
         self.agent = agent
@@ -87,7 +83,6 @@ class RankPdb(CapturedPdb):
                              "seq": seq}})
 
     def readline(self) -> str:
-        """pdb's stdin: publish the prompt and wait for the notebook's answer."""
         server = cell_channel.server()
         if not self.agent.cell_running or server is None:
             return "c\n"

@@ -25,9 +25,6 @@ CALL_REPLY = "nbdist_call_reply"
 PDB_ANSWER = "nbdist_pdb_answer"
 COMM_TYPES = ("comm_open", "comm_msg", "comm_close")
 NO_CELL = b""  # the token of a message sent while no cell runs (a widget's)
-
-"""The functions a call on the channel may name (push, pull: `nbdist.worker.bootstrap`)."""
-
 ANSWER_POLL_MS = 1000  # one wait for a pdb answer (a SIGINT ends it)
 
 
@@ -35,30 +32,23 @@ ANSWER_POLL_MS = 1000  # one wait for a pdb answer (a SIGINT ends it)
 class ChannelSetup:
     """What the notebook tells a rank about the channel, in its (signed) setup call."""
 
-    notebook_address: str
-    """Where the rank's PUSH connects: the notebook's PULL ("tcp://10.0.0.1:41000")."""
-    bind_host: str
-    """Where the rank's ROUTER listens: loopback on one host, else its address to the notebook."""
-    notebook_key: bytes | None = None
-    """The notebook's CurveZMQ public key; None: signed, not encrypted."""
+    notebook_address: str  # the notebook's PULL, where the rank's PUSH connects
+    bind_host: str  # where the rank's ROUTER listens: loopback on one host, else its address
+    notebook_key: bytes | None = None  # the notebook's CurveZMQ public key; None: not encrypted
     notebook_process: tuple[int, float] | None = None
-    """The notebook kernel's (pid, create time): the rank ends itself once it is gone
-    (`nbdist.worker.orphan_guard`). None for engines nbdist did not start: they live on."""
+    """The kernel's (pid, create time): the rank ends itself once it is gone (orphan_guard).
+    None for engines nbdist did not start: they live on."""
 
 
 @dataclass(frozen=True)
 class ChannelEndpoint:
     """Where a rank takes requests, as its setup reports it."""
 
-    address: str
-    """"tcp://HOST:PORT" of the rank's ROUTER."""
-    public_key: bytes | None = None
-    """The rank's CurveZMQ public key (None: not encrypted)."""
+    address: str  # "tcp://HOST:PORT" of the rank's ROUTER
+    public_key: bytes | None = None  # its CurveZMQ public key (None: not encrypted)
 
 
 class CellServer:
-    """The engine's end of the channel (one per engine, made by :func:`open_channel`)."""
-
     def __init__(self, rank: int, setup: ChannelSetup, orphan_grace: float) -> None:
         import zmq
         from IPython import get_ipython
@@ -108,8 +98,8 @@ class CellServer:
             self.out.close(linger=0)
 
     def send_multipart(self, parts: list[Any], *_args: Any, **_kwargs: Any) -> None:
-        """The PUSH socket, sent on from the main, IOPub and telemetry threads: one at a time,
-        never blocking (a notebook that stopped listening loses the message, not the rank)."""
+        """The PUSH, from the main, IOPub and telemetry threads: one at a time, never blocking (a
+        notebook that stopped listening loses the message, not the rank)."""
         import zmq
 
         with self.out_lock, contextlib.suppress(zmq.Again):
@@ -160,23 +150,27 @@ class CellServer:
         self._finish(reply)
 
     async def _run_async(self, code: str, transformed: str) -> None:
+        result = None
         try:
             with _interruptible(asyncio.current_task()) as interrupted:
-                result = await self.shell.run_cell_async(
-                    code, store_history=True, silent=False, transformed_cell=transformed,
-                    preprocessing_exc_tuple=None)
+                try:
+                    result = await self.shell.run_cell_async(
+                        code, store_history=True, silent=False, transformed_cell=transformed,
+                        preprocessing_exc_tuple=None)
+                finally:  # run_cell triggers these around run_cell_async: the rank's hooks
+                    self.shell.events.trigger("post_execute")
+                    self.shell.events.trigger("post_run_cell", result)
             reply = _reply(result, interrupted[0])
         except BaseException as exc:
             reply = _failed(exc)
         self._finish(reply)
 
     def _call(self, request: dict[str, Any]) -> None:
-        """A call between cells (an nbdist function and its arguments, signed like a cell): its
-        result or error back, under its token."""
         content = request["content"]
         buffers: list[Any] = []
         try:
-            function, args = unpack(request["buffers"])
+            # a pushed tensor goes to the rank's device (`device`, as its cells see it)
+            function, args = unpack(request["buffers"], self.shell.user_ns.get("device"))
             buffers = pack(function(*args))
             reply: dict[str, Any] = {"status": "ok"}
         except Exception as exc:
@@ -262,8 +256,7 @@ _SERVER: CellServer | None = None
 
 
 def open_channel(rank: int, setup: ChannelSetup, orphan_grace: float) -> ChannelEndpoint:
-    """Listen for cells: once per engine, anew for a new setup (a new notebook-side cluster).
-    `orphan_grace`: seconds the orphan guard gives the notebook's end to come back."""
+    """Listen for cells: once per engine, anew for a new setup (a new notebook-side cluster)."""
     global _SERVER
     if _SERVER is not None and _SERVER.setup != setup:
         _SERVER.close()
@@ -275,5 +268,4 @@ def open_channel(rank: int, setup: ChannelSetup, orphan_grace: float) -> Channel
 
 
 def server() -> CellServer | None:
-    """This engine's end of the channel, once set up."""
     return _SERVER

@@ -1,6 +1,5 @@
-"""Rank side of `%dist_diff`: flatten an object to {name: entry} and fingerprint each entry (a
-tensor's shape, dtype, a hash of its bytes and a few summary numbers; any other value's type,
-hash and short repr), so the notebook compares ranks and fetches only the entries that differ."""
+"""Rank side of `%dist_diff`: an object flattened to {name: entry}, each entry fingerprinted (shape,
+dtype, hash, summary numbers; else type, hash, short repr): only entries that differ are fetched."""
 
 from __future__ import annotations
 
@@ -9,16 +8,13 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
-MAX_ENTRIES = 100_000
-"""Flattening stops there: a diff of more entries than that is not what anyone meant."""
-
-_FLAT: dict[str, Any] = {}
-"""The last flattened object on this rank, kept so `fetch` sends entries without re-evaluating."""
+MAX_ENTRIES = 100_000  # flattening stops there: a diff of more is not what anyone meant
+_FLAT: dict[str, Any] = {}  # the last flattened object: `fetch` sends entries without re-evaluating
 
 
 def fingerprint_expression(expr: str, full: bool = False) -> dict[str, Any]:
-    """Evaluate `expr` in the rank's namespace and fingerprint it. An error comes back as
-    {"error": ...}: raised here, `%dist_debug` would debug it instead of the failed cell."""
+    """`expr` evaluated in the rank's namespace, fingerprinted. An error comes back as {"error"}:
+    raised here, `%dist_debug` would debug it instead of the failed cell."""
     from IPython import get_ipython
 
     try:
@@ -40,16 +36,12 @@ def fingerprint(obj: Any, full: bool = False) -> dict[str, Any]:
 
 
 def fetch(names: list[str]) -> dict[str, Any]:
-    """Those of the named entries of the last fingerprinted object this rank has; tensors on
-    CPU (one call asks every rank for every name a diff needs)."""
-    import torch
-
-    return {name: _FLAT[name].detach().to("cpu") if isinstance(_FLAT[name], torch.Tensor)
-            else _FLAT[name] for name in names if name in _FLAT}
+    """Those of the named entries of the last fingerprinted object this rank has (detached
+    tensors: the frames bring them to the CPU). One call asks for every name a diff needs."""
+    return {name: _FLAT[name] for name in names if name in _FLAT}
 
 
 def local_entry(name: str) -> Any:
-    """One entry of the last fingerprinted object, where it lives (for a collective)."""
     return _FLAT[name]
 
 
@@ -58,8 +50,8 @@ def describe_type(obj: Any) -> str:
 
 
 def _walk(obj: Any, name: str, out: dict[str, Any], full: bool, notes: set[str]) -> None:
-    """A module's parameters and buffers by name, an optimizer's state_dict, dicts, lists and
-    tuples walked; tensors (DTensors resolved) and every other value are leaves."""
+    """Modules (parameters and buffers by name), optimizers (state_dict), dicts, lists and tuples
+    are walked; tensors (DTensors resolved) and other values are leaves."""
     import torch
 
     if len(out) >= MAX_ENTRIES:
@@ -103,8 +95,6 @@ def _resolve_dtensor(tensor: Any, full: bool, notes: set[str]) -> Any:
 
 @dataclass(frozen=True)
 class ShardedEntry:
-    """What a rank says about its shard of a sharded DTensor: no data, only layout."""
-
     local_shape: tuple[int, ...]
     dtype: str
     placements: tuple[str, ...]

@@ -1,5 +1,5 @@
-"""Rank side of `%dist_debug`: a post-mortem pdb on the rank's last failed cell, kept between
-calls, that runs one command at a time and returns what it printed (tensors stay on the rank)."""
+"""Rank side of `%dist_debug`: a post-mortem pdb on the last failed cell, kept between calls, one
+command at a time, returning what it printed (tensors stay on the rank)."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from typing import Any
 from nbdist.worker import process_group
 from nbdist.worker.tracebacks import first_cell_frame
 
+# post-mortem: the rank is never resumed, so continue means quit too
 QUIT_COMMANDS = frozenset({"q", "quit", "exit", "c", "cont", "continue"})
-"""End the session: the rank is never resumed (post-mortem), so continue means quit too."""
 
 
 class CapturedPdb(pdb.Pdb):
@@ -36,8 +36,7 @@ class CapturedPdb(pdb.Pdb):
 
 
 class PostMortem(CapturedPdb):
-    """pdb on a traceback, from its first cell frame on: `run_command` returns what a command
-    printed."""
+    """pdb on a traceback, from its first cell frame on."""
 
     def __init__(self, traceback: Any) -> None:
         super().__init__()
@@ -59,8 +58,7 @@ _SESSION: PostMortem | None = None
 
 
 def start() -> dict[str, Any]:
-    """Open a session on the last failed cell: {"ok", "error", "text"} (text: the current frame,
-    or why there is nothing to debug)."""
+    """A session on the last failed cell: {"ok", "error", "text": its frame, or why none}."""
     global _SESSION
     stop()
     # what IPython saved, or the copy the process group's teardown kept when it cleared that
@@ -80,7 +78,7 @@ def start() -> dict[str, Any]:
 
 
 def command(line: str) -> dict[str, Any]:
-    """Run one pdb command: {"text", "done"}; a quit command (`QUIT_COMMANDS`) ends the session."""
+    """One pdb command: {"text", "done"}; a quit command ends the session."""
     if _SESSION is None:
         return {"text": "no debugging session on this rank", "done": True}
     if line.strip() in QUIT_COMMANDS:

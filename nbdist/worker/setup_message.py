@@ -27,7 +27,6 @@ class RankSpec:
         return f"cuda:{self.gpus[0]}" if self.gpus else "cpu"
 
     def env(self, master_addr: str, master_port: int) -> dict[str, str]:
-        """The torchrun-compatible environment of this rank."""
         return {
             "RANK": str(self.rank),
             "LOCAL_RANK": str(self.local_rank),
@@ -41,23 +40,15 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class RankSetup:
-    """What `nbdist.worker.bootstrap.setup_rank` is told."""
-
     spec: RankSpec
     master_addr: str
     port: int
-    generation: int
-    """The process group's generation: each rebuild joins a new one on a fresh store."""
-    store_path: str | None
-    """This generation's FileStore when every rank is on the notebook's machine; else None: a
-    TCP store on rank 0."""
+    generation: int  # each rebuild joins a new one on a fresh store
+    store_path: str | None  # a FileStore when every rank is on this machine; else TCP on rank 0
     threads: int
-    cwd: str
-    """The notebook's working directory: the rank works there too (when it exists there)."""
-    interface: str | None
-    """The interface gloo, NCCL and TensorPipe use; None: loopback on one host, else theirs."""
-    private_dir: str | None
-    """The cluster's private directory, for a rank on this machine only (flight recorder dumps)."""
+    cwd: str  # the notebook's: the rank works there too (when it exists there)
+    interface: str | None  # for gloo, NCCL, TensorPipe; None: loopback on one host, else theirs
+    private_dir: str | None  # the cluster's, for a rank on this machine only (flight recorder)
     channel: ChannelSetup
     config: NbdistConfig
 
@@ -70,10 +61,7 @@ class RankSetup:
 
 @dataclass(frozen=True)
 class RankReady:
-    """What a rank answers once it is set up and in the process group."""
-
     device: str
     threads: int
     endpoint: ChannelEndpoint
-    notes: tuple[str, ...] = ()
-    """Settings the rank kept rather than nbdist's (an NCCL variable the user set...)."""
+    notes: tuple[str, ...] = ()  # settings the rank kept rather than nbdist's (a user's NCCL_*)
