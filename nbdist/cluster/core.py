@@ -105,7 +105,7 @@ class ClusterCore:
         return self._processes.controller
 
     def _launchers(self) -> list[Any]:
-        return self.launch_mode.engines.launchers()
+        return self.launch_mode.launchers()
 
     def channel(self) -> NotebookChannel:
         """The cell channel to every rank (made at each setup)."""
@@ -203,8 +203,7 @@ class ClusterCore:
             ends_with_kernel=self.launch_mode.owns_engines)
 
     def _settled(self, new_ids: list[int]) -> None:
-        """New ranks are set up: their collectors freeze; the controller's children are noted."""
-        self._processes.remember_controller_children()
+        """New ranks are set up: their collectors freeze."""
         rank_setup.freeze_collectors(self.launch_mode.client, new_ids,
                                      self.config.start.bootstrap_timeout)
 
@@ -218,7 +217,7 @@ class ClusterCore:
 
     def engine_log_tail(self, rank: int, lines: int) -> str:
         """The last lines an engine wrote to its own log (crash messages land there)."""
-        return self.launch_mode.engines.log_tail(self.ranks[rank].pid, lines)
+        return self.launch_mode.log_tail(self.ranks[rank].pid, lines)
 
     def release_rank(self, rank: int) -> bool:
         """Ask a rank blocked inside a collective to make it fail (nbdist.worker.release);

@@ -1,14 +1,6 @@
-"""Local engines forked from a warm server instead of started cold, as ipyparallel launcher
-classes: `ForkEngineSetLauncher` is a `LocalEngineSetLauncher` whose engines are forked, so
-ipyparallel's Cluster, its engine sets and nbdist's PID handling stay.
-
-The server is the standard library's forkserver (`multiprocessing.forkserver.main`, reached
-through `nbdist.ipp_compat`), one per cluster: `ForkServerProcess` starts it beside the
-controller, with its own socket, log and preload list, so it shares nothing with the notebook's
-own multiprocessing. It is kept across restarts, stopped by PID with the rest of the cluster, and
-exits by itself when the kernel does (its alive pipe reads EOF). When it is gone, an engine
-launcher says why (`fallback_reason`) and starts its engine cold, as `LocalEngineLauncher` would.
-"""
+"""Local engines forked from the standard library's forkserver (through `nbdist.ipp_compat`),
+one per cluster with its own socket, log and preload list, as ipyparallel launcher classes; an
+engine the server cannot fork starts cold and says why (`fallback_reason`)."""
 
 from __future__ import annotations
 
@@ -33,14 +25,9 @@ from nbdist.cluster.processes import private_files
 from nbdist.text import tail
 from nbdist.worker.engine import ENGINE_MODULE, FORK_PRELOAD, ForkedEngine
 
-SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"
-"""The `engine_launcher_class` a local cluster with a fork server gives ipyparallel."""
-
-POLL_SECONDS = 0.5
-"""How often an engine's wait thread looks whether the cluster stopped waiting for it."""
-
-_REAP_SECONDS = 5.0
-"""How long a stopped cluster waits for its fork server to exit once its alive pipe closed."""
+SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"  # engine_launcher_class
+POLL_SECONDS = 0.5  # how often an engine's wait thread looks whether the cluster stopped waiting
+_REAP_SECONDS = 5.0  # how long a stopped cluster waits for its fork server to exit
 
 
 class ForkServerUnavailable(Exception):
@@ -65,8 +52,7 @@ class ForkEngineLauncher(LocalEngineLauncher):
 
     fork_socket = Unicode("", config=True, help="The fork server's Unix socket.")
     fork_timeout = Float(90.0, config=True, help="Seconds to wait for the fork server to fork.")
-    fallback_reason = ""
-    """Why this engine was started cold instead of forked ('' when it was forked)."""
+    fallback_reason = ""  # why this engine was started cold instead of forked
     _status: int | None = None  # the pipe the server writes the engine's exit code to
 
     def start(self) -> None:
@@ -117,8 +103,7 @@ class ForkEngineLauncher(LocalEngineLauncher):
 
 
 class ForkEngineSetLauncher(LocalEngineSetLauncher):
-    """A set of local engines forked by the fork server (see `ForkEngineLauncher`; its traits,
-    `ForkEngineLauncher.fork_socket` above all, come through the config)."""
+    """Local engines forked by the fork server (`ForkEngineLauncher.fork_socket`, in the config)."""
 
     launcher_class = ForkEngineLauncher
     # ipyparallel sleeps this long between two engines of a set (0.1 s: 0.3 s of every start
@@ -127,7 +112,8 @@ class ForkEngineSetLauncher(LocalEngineSetLauncher):
 
 
 class ForkServerProcess:
-    """The kernel's handle on one fork server it started: its process, socket and log."""
+    """One fork server: kept across restarts, stopped by PID with the cluster, and ending by
+    itself with the kernel (its alive pipe reads EOF)."""
 
     def __init__(self, workdir: str, python: str) -> None:
         """Start the server; returns at once (it imports torch meanwhile)."""
@@ -156,10 +142,6 @@ class ForkServerProcess:
             self.create_time = psutil.Process(self.pid).create_time()
         except psutil.NoSuchProcess:
             self.create_time = 0.0
-
-    def owned(self) -> list[tuple[int, float]]:
-        """The server as a (pid, create time) record among the processes the cluster owns."""
-        return [(self.pid, self.create_time)]
 
     def alive(self) -> bool:
         return self.process.poll() is None

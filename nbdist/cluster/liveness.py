@@ -52,7 +52,7 @@ class Liveness:
     def poll_dead(self) -> dict[int, str]:
         """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc.
         Also notices a controller that is gone (`controller_lost`)."""
-        cluster, job = self.cluster, self.cluster.launch_mode.engines.job
+        cluster, job = self.cluster, self.cluster.launch_mode.job
         with self._lock:
             lost, self._lost_ranks = self._lost_ranks, []
         newly_dead = {rank: cluster.ranks[rank].exit_detail for rank in lost}
