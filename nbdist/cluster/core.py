@@ -281,7 +281,7 @@ class ClusterCore:
         """Same ranks, new engine processes, new process group. Works after a dead rank or a
         lost controller."""
         say, mode = progress or (lambda _msg: None), self.launch_mode
-        n = self.world_size or mode.rank_count(self.requested_n)
+        n = self.world_size or rank_setup.rank_count(self.requested_n, mode.plan)
         started = time.perf_counter()
         if not mode.can_restart_in_place(self.controller_lost):
             self._teardown_processes()

@@ -65,10 +65,6 @@ class LaunchMode:
         """Connect (and start what this mode starts); the engine ids to make ranks of."""
         raise NotImplementedError
 
-    def rank_count(self, requested_n: int | None) -> int:
-        """How many ranks a start makes when -n was not given."""
-        return rank_setup.rank_count(requested_n, self.plan)
-
     def can_restart_in_place(self, controller_lost: bool) -> bool:
         """Whether restart keeps the controller and only replaces the engines."""
         return not controller_lost and self.client is not None and self.processes.controller_alive()
@@ -201,7 +197,7 @@ class OwnedEngines(LaunchMode):
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
         import ipyparallel as ipp
 
-        n, self.say = self.rank_count(requested_n), say
+        n, self.say = rank_setup.rank_count(requested_n, self.plan), say
         say(f"starting controller and {n} engine(s) ({self.name}) in {self.processes.workdir}")
         plan = self.plan = build_launcher_plan(self.name, self.options, n=n,
                                                interface=self.interface)

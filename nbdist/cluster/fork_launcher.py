@@ -8,20 +8,13 @@ import os
 import select
 import socket
 import subprocess
-import sys
 from typing import Any
 
 import psutil
-from ipyparallel.cluster.launcher import (
-    LocalEngineLauncher,
-    LocalEngineSetLauncher,
-    ProcessStateError,
-)
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Float, Unicode
-from traitlets.config import Config
 
 from nbdist import ipp_compat
-from nbdist.cluster.processes import private_files
 from nbdist.text import tail
 from nbdist.worker.engine import ENGINE_MODULE, FORK_PRELOAD, ForkedEngine
 
@@ -56,14 +49,9 @@ class ForkEngineLauncher(LocalEngineLauncher):
     _status: int | None = None  # the pipe the server writes the engine's exit code to
 
     def start(self) -> None:
-        if self.state != "before":
-            raise ProcessStateError(f"The process was already started and has state: {self.state}")
-        env = os.environ.copy()
-        env.update(self.get_env())
+        env = {**os.environ, **self.get_env()}
         engine = ForkedEngine(list(self.args), env, self.work_dir, self.output_file)
         try:
-            if not self.fork_socket:
-                raise ForkServerUnavailable("no fork server was started for this cluster")
             self._status, self.pid = fork(self.fork_socket, engine, self.fork_timeout)
         except (ForkServerUnavailable, OSError, ValueError) as exc:
             self.fallback_reason = str(exc)
@@ -138,19 +126,14 @@ class ForkServerProcess:
             finally:
                 os.close(alive_r)
         self.pid = self.process.pid
-        try:
-            self.create_time = psutil.Process(self.pid).create_time()
-        except psutil.NoSuchProcess:
-            self.create_time = 0.0
+        self.create_time = psutil.Process(self.pid).create_time()  # unreaped: it is our child
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def why_gone(self) -> str:
-        """Why the server cannot fork ('' while it runs): how it exited and the end of its log."""
-        code = self.process.poll()
-        if code is None:
-            return ""
+        """Why the server, gone, cannot fork: how it exited and the end of its log."""
+        code = self.process.poll() or 0
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         try:
             with open(self.log_path, errors="replace") as f:
@@ -169,15 +152,3 @@ class ForkServerProcess:
         except subprocess.TimeoutExpired:  # still importing: it reads that pipe only afterwards
             self.process.kill()
             self.process.wait()
-
-
-def start_fork_server(config: Config, workdir: str, wait: float) -> ForkServerProcess:
-    """Start a fork server for a local cluster (with the engines' Python) and point the engine
-    launchers of `config` at it; returns at once."""
-    engine_set = config.LocalEngineSetLauncher
-    python = engine_set.engine_cmd[0] if "engine_cmd" in engine_set else sys.executable
-    with private_files():  # its log and socket: owner only
-        server = ForkServerProcess(workdir, python)
-    config.ForkEngineLauncher.fork_socket = server.socket_path
-    config.ForkEngineLauncher.fork_timeout = wait
-    return server

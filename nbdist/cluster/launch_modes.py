@@ -11,10 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.cluster.engines import ExitHandler, LaunchMode, OwnedEngines, Progress, starting
-from nbdist.cluster.fork_launcher import SET_LAUNCHER, start_fork_server
+from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess
 from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import LauncherPlan
-from nbdist.cluster.processes import OwnedProcesses
+from nbdist.cluster.processes import OwnedProcesses, private_files
 from nbdist.cluster.ranks import RankProcess
 from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.worker import bootstrap
@@ -37,8 +37,12 @@ class LocalMode(OwnedEngines):
         # the engines read a copy of the connection file (_engines_starting), not the env
         kwargs = {**plan.cluster_kwargs, "send_engines_connection_env": False}
         if self.config.start.fork_server:  # it imports torch while the controller starts
-            with starting("fork server"):  # e.g. an engine_python that does not exist
-                self.fork_server = start_fork_server(plan.config, self.processes.workdir, wait)
+            # its log and socket owner-only; it fails on an engine_python that does not exist
+            with private_files(), starting("fork server"):
+                self.fork_server = ForkServerProcess(self.processes.workdir,
+                                                     engine_set.engine_cmd[0])
+            plan.config.ForkEngineLauncher.fork_socket = self.fork_server.socket_path
+            plan.config.ForkEngineLauncher.fork_timeout = wait
             kwargs["engine_launcher_class"] = SET_LAUNCHER
         return kwargs
 
@@ -48,7 +52,7 @@ class LocalMode(OwnedEngines):
 
     def _engines_starting(self) -> None:
         """Copy the controller's engine connection file, once complete, to where the engines
-        look for it (atomically, owner-only)."""
+        look for it, atomically and owner-only (the controller writes its own in place)."""
         source = self.ipp.controller.connection_files["engine"]
         deadline = time.monotonic() + self.config.start.engine_start_timeout
         while True:
@@ -129,8 +133,8 @@ class AttachedMode(LaunchMode):
     def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
         """The living engines leave their group, and it waits for n of them (the living ones and
         any the user started): nbdist does not own these."""
-        alive = [p for p in ranks if p.state == "alive" and p.spec.engine_id in self.client.ids]
-        self._call_each(alive, bootstrap.teardown_process_group, self.config.start.rebuild_timeout)
+        alive = self._call_living(ranks, bootstrap.teardown_process_group,
+                                  self.config.start.rebuild_timeout)
         say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
         return self.wait_for_registration(n, known=[p.spec.engine_id for p in ranks
                                                     if p not in alive])
@@ -138,14 +142,15 @@ class AttachedMode(LaunchMode):
     def stop(self, ranks: list[RankProcess]) -> None:
         """Each living engine stops its telemetry and leaves the process group (best effort)."""
         if self.client is not None:
-            alive = [p for p in ranks if p.state == "alive" and p.spec.engine_id in self.client.ids]
-            self._call_each(alive, bootstrap.shutdown_rank, self.config.start.stop_timeout)
+            self._call_living(ranks, bootstrap.shutdown_rank, self.config.start.stop_timeout)
         super().stop(ranks)
 
-    def _call_each(self, ranks: list[RankProcess], function: Callable[[], Any],
-                   timeout: float) -> None:
-        gather({p.spec.rank: self.client[p.spec.engine_id].apply_async(function) for p in ranks},
+    def _call_living(self, ranks: list[RankProcess], function: Callable[[], Any],
+                     timeout: float) -> list[RankProcess]:
+        alive = [p for p in ranks if p.state == "alive" and p.spec.engine_id in self.client.ids]
+        gather({p.spec.rank: self.client[p.spec.engine_id].apply_async(function) for p in alive},
                timeout)
+        return alive
 
 
 def attach_target(profile: str | None, cluster_id: str, profile_dir: str | None,
