@@ -189,8 +189,7 @@ class OwnedEngines(LaunchMode):
         self.plan = build_launcher_plan(launcher, options, interface=interface)  # checks them
         self.spans_hosts, self.curve = self.plan.spans_hosts, self.plan.curve
         self.ipp: Any = None
-        # ipyparallel drops a stopped engine's launcher and its log file (keeping the text):
-        # nbdist keeps each launcher, by PID, for log_tail
+        # by PID, for log_tail: ipyparallel drops a stopped engine's launcher and log file
         self._launchers_by_pid: dict[int, Any] = {}
         self.fork_server: ForkServerProcess | None = None  # local engines fork from it
 
@@ -225,11 +224,10 @@ class OwnedEngines(LaunchMode):
         return self.wait_for_registration(n)
 
     def _cluster_kwargs(self, plan: LauncherPlan) -> dict[str, Any]:
-        """ipyparallel.Cluster's keyword arguments (a mode adds its own)."""
-        return dict(plan.cluster_kwargs)
+        return dict(plan.cluster_kwargs)  # ipyparallel.Cluster's (LocalMode adds its own)
 
     def _engines_starting(self) -> None:
-        """Called once the first engines are launched, before they register."""
+        """Once the first engines are launched, before they register (LocalMode's step)."""
 
     def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
         old_ids = set(self.client.ids)
@@ -323,9 +321,8 @@ class OwnedEngines(LaunchMode):
         owned = self.owned_pids(ranks)
         super().stop(ranks)
         terminate_all(owned, grace=self.config.start.stop_timeout)
-        if self.ipp is not None:  # drop it and its threads (its processes are stopped)
-            # an exit still being reported rewrites the cluster file: after the workdir went,
-            # it stayed
+        if self.ipp is not None:  # drop it and its threads: an exit still being reported
+            # would rewrite the cluster file after the workdir went
             ipp_compat.end_wait_threads(self.launchers(), list(self._launchers_by_pid.values()),
                                         1.0)
             ipp_compat.end_loop_thread(self.ipp, self.config.start.stop_timeout)
