@@ -174,7 +174,7 @@ class Cluster(ClusterCore):
     def batch_job(self) -> SlurmJob | None:
         """The engines' Slurm job (`job_id`, `state()`, `log_tail()`) when `launcher="slurm"`
         submitted them; None otherwise."""
-        return self.launch_mode.engines.job
+        return self.launch_mode.job
 
     def status(self) -> ClusterStatus:
         if self.running:

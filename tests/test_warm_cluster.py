@@ -46,7 +46,7 @@ def _parents(cluster: Cluster) -> set[int]:
 
 
 def _server_pid(cluster: Cluster) -> int:
-    server = cluster.launch_mode.engines.fork_server
+    server = cluster.launch_mode.fork_server
     assert server is not None and server.pid is not None, "a local cluster starts a fork server"
     return server.pid
 
@@ -79,7 +79,7 @@ def test_engines_are_forked_and_the_server_outlives_a_restart(cluster_factory: A
                 or m.path.startswith("/dev/nvidia")]
     assert {child.pid for child in process.children()} == {p.pid for p in cluster.ranks}
     # it forks nbdist's engine and nothing else, for no one else: its socket is the owner's only
-    socket_path = cluster.launch_mode.engines.fork_server.socket_path
+    socket_path = cluster.launch_mode.fork_server.socket_path
     assert stat.S_IMODE(os.stat(socket_path).st_mode) & 0o077 == 0
     with pytest.raises(fork_launcher.ForkServerUnavailable, match="only starts nbdist.worker"):
         fork_launcher.fork(socket_path, ForkedEngine(["python", "-c", "pass"], {}, "", ""), 5.0)
@@ -147,7 +147,7 @@ def test_a_dead_fork_server_means_cold_engines_and_a_message(cluster_factory: An
 
 def test_fork_server_off_starts_engines_cold(cluster_factory: Any, fast_config: Any) -> None:
     cluster = cluster_factory(2, config=fast_config.replace(fork_server=False))
-    assert cluster.launch_mode.engines.fork_server is None
+    assert cluster.launch_mode.fork_server is None
     assert _parents(cluster) == {os.getpid()}
     assert _values(cluster, ALL_REDUCE) == {0: '3.0', 1: '3.0'}
 

@@ -1,7 +1,5 @@
-"""What a user passes to `Cluster(...)` and its methods (the magics' options too), and the values
-of launcher options read as what ipyparallel needs (yes/no, lists, text, whole numbers, ssh host
-lists, sbatch lines): checked before anything starts, each bad value an NbdistError that names
-the argument and what would fit."""
+"""Every argument a user passes (to `Cluster(...)`, its methods, the magics, launcher options),
+checked before anything starts: each bad value an NbdistError naming it and what would fit."""
 
 from __future__ import annotations
 
@@ -138,14 +136,9 @@ def address_option(value: Any, name: str) -> str:
 
 def whole_option(value: Any, name: str, minimum: int = 1) -> int:
     """A whole-number option, also from text ("500")."""
-    try:
-        number = int(value.strip()) if isinstance(value, str) else value
-    except ValueError:
-        number = None
-    if isinstance(number, bool) or not isinstance(number, int) or number < minimum:
-        raise NbdistError(f"launcher option {name}={value!r}: give a whole number, "
-                          f"{minimum} or more")
-    return number
+    if isinstance(value, str) and value.strip().isdecimal():
+        value = int(value)
+    return check_whole(value, f"launcher option {name}", minimum)
 
 
 def check_passthrough(options: dict[str, Any]) -> dict[str, Any]:

@@ -105,7 +105,7 @@ class ClusterCore:
         return self._processes.controller
 
     def _launchers(self) -> list[Any]:
-        return self.launch_mode.engines.launchers()
+        return self.launch_mode.launchers()
 
     def channel(self) -> NotebookChannel:
         self._require_running()
@@ -201,7 +201,6 @@ class ClusterCore:
             ends_with_kernel=self.launch_mode.owns_engines)
 
     def _settled(self, new_ids: list[int]) -> None:
-        self._processes.remember_controller_children()
         rank_setup.freeze_collectors(self.launch_mode.client, new_ids,
                                      self.config.start.bootstrap_timeout)
 
@@ -213,7 +212,7 @@ class ClusterCore:
         return self._liveness.poll_dead()
 
     def engine_log_tail(self, rank: int, lines: int) -> str:
-        return self.launch_mode.engines.log_tail(self.ranks[rank].pid, lines)
+        return self.launch_mode.log_tail(self.ranks[rank].pid, lines)
 
     def release_rank(self, rank: int) -> bool:
         """Make the collective a rank is blocked in fail (nbdist.worker.release); False if its
@@ -297,7 +296,7 @@ class ClusterCore:
     def restart(self, progress: Progress | None = None) -> ClusterCore:
         """Same ranks, new engines, new process group (after a dead rank or a lost controller)."""
         say, mode = progress or (lambda _msg: None), self.launch_mode
-        n = self.world_size or mode.rank_count(self.requested_n)
+        n = self.world_size or rank_setup.rank_count(self.requested_n, mode.plan)
         started = time.perf_counter()
         if not mode.can_restart_in_place(self.controller_lost):
             self._teardown_processes()

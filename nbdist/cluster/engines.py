@@ -1,10 +1,10 @@
-"""ipyparallel's part of a cluster: the controller and engines it starts through a launcher plan,
-the engines' connection file, their exit statuses and logs, and waiting for them to register.
+"""A cluster's engines as ipyparallel gives them: `LaunchMode`, what every launch mode answers
+(client, registration, signals), and `OwnedEngines`, the controller and engines nbdist starts.
 PIDs only ever come from launchers whose processes run on this machine (`has_local_pid`)."""
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
 import time
@@ -14,154 +14,126 @@ from subprocess import CalledProcessError
 from typing import Any
 
 from nbdist import ipp_compat
-from nbdist.cluster import slurm
+from nbdist.cluster import rank_setup, slurm
 from nbdist.cluster.controller import controller_command
-from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess, start_fork_server
+from nbdist.cluster.fork_launcher import ForkServerProcess
 from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import (
     ENGINE_LOG_NOISE,
     ENGINE_SET_CLASS,
     LauncherPlan,
+    build_launcher_plan,
     engine_set_launchers,
     has_local_pid,
+    warn_unauthenticated_rendezvous,
 )
-from nbdist.cluster.processes import (
-    OwnedProcesses,
-    Pid,
-    private_files,
-    process_trees,
-    write_private,
-)
+from nbdist.cluster.processes import OwnedProcesses, Pid, private_files, process_trees
+from nbdist.cluster.ranks import RankProcess
 from nbdist.config import NbdistConfig
 from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.text import tail
 from nbdist.worker.engine import USER_UMASK_ENV
-from nbdist.worker.process_tree import terminate_all
+from nbdist.worker.process_tree import same_process, terminate_all
 
-ExitHandler = Callable[[dict[str, Any]], None]
-"""Called with ipyparallel's stop data ({"pid": ..., "exit_code": ...}) when an engine exits."""
+ExitHandler = Callable[[dict[str, Any]], None]  # gets ipyparallel's {"pid", "exit_code"}
+Progress = Callable[[str], None]
 
-_ANSWER_SECONDS = 10.0
-"""How long a registered engine gets to tell its PID (a dead one never does)."""
+_ANSWER_SECONDS = 10.0  # how long a registered engine gets to tell its PID (a dead one never does)
 
 
-class Engines:
-    """One ipyparallel.Cluster: controller and engine sets, and what nbdist keeps of them."""
+class LaunchMode:
+    """What every mode answers. The defaults fit engines nbdist may signal but did not start."""
+
+    name = ""
+    spans_hosts = False  # engines may run elsewhere: controller and rendezvous off loopback
+    plan: LauncherPlan | None = None  # how ipyparallel starts the engines, if this mode does
+    curve = False  # CurveZMQ on ipyparallel's traffic and the cell channel (`--curve`)
+    owns_engines = False  # nbdist started them: they end themselves when the kernel is gone
+    job: slurm.SlurmJob | None = None  # the engines' Slurm job, when there is one
 
     def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler) -> None:
         self.processes = processes
         self.on_exit = on_exit
-        self.ipp: Any = None
-        # ipyparallel drops a stopped engine's launcher and its log file (keeping the text):
-        # nbdist keeps each launcher, by PID, for log_tail
-        self._launchers_by_pid: dict[int, Any] = {}
-        self.job: slurm.SlurmJob | None = None
-        """The engines' Slurm job, when ipyparallel's Slurm launcher submitted them."""
-        self.progress: Callable[[str], None] = lambda _msg: None
-        self.fork_server: ForkServerProcess | None = None  # local engines fork from it
+        self.client: Any = None  # the engines' ipyparallel client while the cluster runs
+        self.say: Progress = lambda _msg: None
 
     @property
     def config(self) -> NbdistConfig:
         return self.processes.config
 
-    def start(self, plan: LauncherPlan, n: int, early_engines: bool) -> Any:
-        """Controller and n engines; the connected client once they registered.
-        `early_engines` start with the controller and wait for a copy of its connection file."""
-        import ipyparallel as ipp
+    def start(self, requested_n: int | None, say: Progress) -> list[int]:
+        """Connect (and start what this mode starts); the engine ids to make ranks of."""
+        raise NotImplementedError
 
-        start = self.config.start
-        profile_dir = os.path.join(self.processes.workdir, "profile")
-        engine_file = os.path.join(profile_dir, "security", "nbdist-engine.json")
-        cluster_kwargs = dict(plan.cluster_kwargs)
-        if early_engines:
-            _start_engines_early(plan, engine_file, start.engine_start_timeout)
-            if start.fork_server:  # it imports torch while the controller starts
-                with _starting("fork server"):  # e.g. an engine_python that does not exist
-                    self.fork_server = start_fork_server(
-                        plan.config, self.processes.workdir, start.engine_start_timeout)
-                cluster_kwargs["engine_launcher_class"] = SET_LAUNCHER
-        _end_with_kernel(plan, self.processes.workdir)
-        with private_files() as user_umask, _starting("ipyparallel controller"):
-            _engines_restore_umask(plan, user_umask)
-            _create_profile_dir(profile_dir)
-            slurm.prepare_submission(plan.config, profile_dir)
-            self.ipp = ipp.Cluster(n=n, profile_dir=profile_dir, delay=0, config=plan.config,
-                                   log=_quiet_logger(), shutdown_atexit=False,
-                                   engine_timeout=int(start.engine_start_timeout),
-                                   **cluster_kwargs)
-            if early_engines:
-                self.ipp.send_engines_connection_env = False
-            self.ipp.start_controller_sync()
-        self.processes.record_controller(self.ipp.controller.pid)
-        self.start_engines(n)
-        if early_engines:
-            self._publish_engine_file(engine_file)
-        client = self.ipp.connect_client_sync()
-        self.wait_for_registration(client, n)
-        return client
+    def can_restart_in_place(self, controller_lost: bool) -> bool:
+        """Whether restart keeps the controller and only replaces the engines."""
+        return not controller_lost and self.client is not None and self.processes.controller_alive()
 
-    def start_engines(self, n: int) -> None:
-        if self.fork_server is not None and not self.fork_server.alive():
-            self.progress(f"{self.fork_server.why_gone()}\nstarting the engines cold instead")
-            self.ipp.engine_launcher_class = "ipyparallel.cluster.launcher.LocalEngineSetLauncher"
-            self.fork_server.reap()
-            self.fork_server = None
-        try:
-            # private: the engines' logs (and the Slurm job's, via its umask)
-            with private_files(), _starting(f"{n} engine(s)"):
-                self.ipp.start_engines_sync(n)
-        except CalledProcessError as exc:  # the batch system's submit command refused the job
-            sets = list(self.ipp.engines.values())
-            self.ipp.engines.clear()
-            raise slurm.submit_error(exc, sets, self.config.batch.batch_command_timeout) from None
-        batch = slurm.job_launcher(self.ipp.engines.values())
-        self.job = slurm.SlurmJob(batch, self.config.batch) if batch is not None else None
-        for launcher in self.launchers():
-            if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
-                launcher.on_stop(self.on_exit)
-                self._launchers_by_pid[launcher.pid] = launcher
-                ipp_compat.run_wait_callbacks_at_once(launcher)
-        if cold := {getattr(la, "fallback_reason", "") for la in self.launchers()} - {""}:
-            self.progress(f"engines started cold, not forked: {'; '.join(sorted(cold))}")
+    def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
+        """New engines for every rank (the controller stays); their ids."""
+        raise NotImplementedError
 
-    def _publish_engine_file(self, target: str) -> None:
-        """Copy the controller's engine connection file, once complete, to where the early
-        engines look for it."""
-        source = self.ipp.controller.connection_files["engine"]
-        deadline = time.monotonic() + self.config.start.engine_start_timeout
-        while True:
-            try:
-                with open(source) as f:
-                    text = f.read()
-                json.loads(text)
-                break
-            except (OSError, ValueError):  # not there yet, or being written
-                self._check_controller("while starting")
-                if time.monotonic() > deadline:
-                    raise ClusterStartError(
-                        "the controller wrote no connection file within "
-                        f"{self.config.start.engine_start_timeout:.0f} s "
-                        "(NbdistConfig.engine_start_timeout)") from None
-                time.sleep(self.config.internal.startup_poll_interval)
-        write_private(target, text)
+    def check_replaceable(self, controller_lost: bool) -> None:
+        raise NbdistError(
+            f"replacing single ranks works for local engines only (this cluster's are "
+            f"{self.name}): run %dist_restart (Cluster.restart()) for a full set of new ranks")
 
-    def wait_for_registration(self, client: Any, n: int | None,
-                              known: Iterable[int] = ()) -> list[int]:
+    def start_replacements(self, count: int, ranks: list[RankProcess], say: Progress) -> list[int]:
+        """`count` new engines beside the living ones; their ids."""
+        raise NotImplementedError
+
+    def stop_engines(self, ranks: list[RankProcess]) -> None:
+        """Stop every engine but keep the controller (a restart, or one interrupted)."""
+
+    def stop(self, ranks: list[RankProcess]) -> None:
+        """Stop everything this mode started, by PID, and close the client."""
+        if self.client is not None:
+            with contextlib.suppress(Exception):  # whatever state its controller is in
+                self.client.close()
+        self.client = None
+
+    def pid_is_here(self, rank: RankProcess) -> bool:
+        """The rank's PID is a process on this machine (signalled and watched by PID)."""
+        return rank.local
+
+    def signal(self, rank: RankProcess, sig: int) -> None:
+        """By PID here (if it is still that process); through the controller for an engine on
+        another machine (its nanny delivers it)."""
+        if not self.pid_is_here(rank):
+            with contextlib.suppress(Exception):
+                self.client.send_signal(int(sig), targets=[rank.spec.engine_id], block=False)
+        elif same_process(rank.pid, rank.create_time) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(rank.pid, sig)
+
+    def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
+        """Every process this cluster started and stops: none of an attached cluster's."""
+        return []
+
+    def launchers(self) -> list[Any]:
+        """ipyparallel's per-process launchers of the engines nbdist started."""
+        return []
+
+    def log_tail(self, pid: int, lines: int) -> str:
+        """The end of the log of the engine with this PID (crash messages land there)."""
+        return ""
+
+    def wait_for_registration(self, n: int | None, known: Iterable[int] = ()) -> list[int]:
         """Wait for n new engines to register (n None: all there are, at least one); fail fast
         if engine processes, or a controller nbdist started, exit meanwhile."""
         known_ids = set(known)
         timeout = self.config.start.engine_start_timeout
         deadline = time.monotonic() + timeout
         while True:
-            new_ids = sorted(set(client.ids) - known_ids)[:n]
+            new_ids = sorted(set(self.client.ids) - known_ids)[:n]
             if len(new_ids) == n or (n is None and new_ids):
-                strangers = self._strangers(client, new_ids)
+                strangers = self._strangers(new_ids)
                 if not strangers:
                     return new_ids
                 known_ids.update(strangers)  # dead, or left by an interrupted start: not a rank
-                ask_remote_engines_to_exit(client, strangers)
+                self._ask_to_exit(strangers)
                 continue
-            if self.job is not None and self.job.while_starting(self.progress):
+            if self.job is not None and self.job.while_starting(self.say):
                 # the start-up deadline runs from when the job runs; the queue has its own
                 deadline = time.monotonic() + timeout
             exited = [la for la in self.launchers() if la.state == "after"]
@@ -176,14 +148,15 @@ class Engines:
                     + _log_tails(self.launchers()))
             time.sleep(self.config.internal.startup_poll_interval)
 
-    def _strangers(self, client: Any, engine_ids: list[int]) -> list[int]:
+    def _strangers(self, engine_ids: list[int]) -> list[int]:
         """The engines among `engine_ids` that are not processes just started: one killed as it
         registers keeps its id until its heartbeats stop, and would fail the first call to it."""
         launchers = self.launchers()
         if not launchers or not all(has_local_pid(la) for la in launchers):
             return []  # remote PIDs say nothing here
-        ours = {pid for pid, _ct in self.local_pids()}
-        pids = gather({e: client[e].apply_async(os.getpid) for e in engine_ids}, _ANSWER_SECONDS)
+        ours = {pid for pid, _ct in process_trees(la.pid for la in launchers)}
+        pids = gather({e: self.client[e].apply_async(os.getpid) for e in engine_ids},
+                      _ANSWER_SECONDS)
         return [e for e in engine_ids if pids.results.get(e) not in ours]
 
     def _check_controller(self, when: str) -> None:
@@ -191,38 +164,144 @@ class Engines:
             raise ClusterStartError(f"the ipyparallel controller exited {when}.\n"
                                     + tail(self.ipp.controller.get_output(), 30))
 
+    def _ask_to_exit(self, engine_ids: list[int]) -> None:
+        """Engines on other machines cannot be killed by PID: ask them to exit (best effort)."""
+        if self.client is not None and engine_ids:
+            with contextlib.suppress(Exception):
+                self.client.shutdown(targets=[e for e in engine_ids if e in self.client.ids],
+                                     block=False)
+
+    def _ask_remote_ranks_to_exit(self, ranks: list[RankProcess]) -> None:
+        self._ask_to_exit([p.spec.engine_id for p in ranks
+                           if not self.pid_is_here(p) and p.state == "alive"])
+
+
+class OwnedEngines(LaunchMode):
+    """A controller and engines nbdist starts through ipyparallel (`ipyparallel.Cluster`)."""
+
+    owns_engines = True
+    plan: LauncherPlan
+
+    def __init__(self, processes: OwnedProcesses, on_exit: ExitHandler, launcher: str,
+                 options: dict[str, Any], interface: str | None) -> None:
+        super().__init__(processes, on_exit)
+        self.name, self.options, self.interface = launcher, options, interface
+        self.plan = build_launcher_plan(launcher, options, interface=interface)  # checks them
+        self.spans_hosts, self.curve = self.plan.spans_hosts, self.plan.curve
+        self.ipp: Any = None
+        # by PID, for log_tail: ipyparallel drops a stopped engine's launcher and log file
+        self._launchers_by_pid: dict[int, Any] = {}
+        self.fork_server: ForkServerProcess | None = None  # local engines fork from it
+
+    def start(self, requested_n: int | None, say: Progress) -> list[int]:
+        import ipyparallel as ipp
+
+        n, self.say = rank_setup.rank_count(requested_n, self.plan), say
+        say(f"starting controller and {n} engine(s) ({self.name}) in {self.processes.workdir}")
+        plan = self.plan = build_launcher_plan(self.name, self.options, n=n,
+                                               interface=self.interface)
+        if self.spans_hosts:
+            warn_unauthenticated_rendezvous()
+        cluster_kwargs = self._cluster_kwargs(plan)
+        if "controller_cmd" not in plan.config.LocalControllerLauncher:  # a user's own wins
+            # it ends with the kernel, and removes the private directory then
+            plan.config.LocalControllerLauncher.controller_cmd = controller_command(
+                self.processes.workdir)
+        profile_dir = os.path.join(self.processes.workdir, "profile")
+        with private_files() as user_umask, starting("ipyparallel controller"):
+            _engines_restore_umask(plan, user_umask)
+            _create_profile_dir(profile_dir)
+            slurm.prepare_submission(plan.config, profile_dir)
+            self.ipp = ipp.Cluster(n=n, profile_dir=profile_dir, delay=0, config=plan.config,
+                                   log=_quiet_logger(), shutdown_atexit=False,
+                                   engine_timeout=int(self.config.start.engine_start_timeout),
+                                   **cluster_kwargs)
+            self.ipp.start_controller_sync()
+        self.processes.record_controller(self.ipp.controller.pid)
+        self._start_engines(n)
+        self._engines_starting()
+        self.client = self.ipp.connect_client_sync()
+        return self.wait_for_registration(n)
+
+    def _cluster_kwargs(self, plan: LauncherPlan) -> dict[str, Any]:
+        return dict(plan.cluster_kwargs)  # ipyparallel.Cluster's (LocalMode adds its own)
+
+    def _engines_starting(self) -> None:
+        """Once the first engines are launched, before they register (LocalMode's step)."""
+
+    def restart_engines(self, n: int, ranks: list[RankProcess], say: Progress) -> list[int]:
+        old_ids = set(self.client.ids)
+        self.stop_engines(ranks)
+        old_ids.update(self.client.ids)  # any that registered while being stopped
+        say(f"starting {n} new engine(s)")
+        return self._more_engines(n, old_ids, say)
+
+    def _more_engines(self, n: int, known: set[int], say: Progress) -> list[int]:
+        self.say = say
+        self._start_engines(n)
+        return self.wait_for_registration(n, known=known)
+
+    def _start_engines(self, n: int) -> None:
+        if self.fork_server is not None and not self.fork_server.alive():
+            self.say(f"{self.fork_server.why_gone()}\nstarting the engines cold instead")
+            self.ipp.engine_launcher_class = "ipyparallel.cluster.launcher.LocalEngineSetLauncher"
+            self.fork_server.reap()
+            self.fork_server = None
+        try:
+            # private: the engines' logs (and the Slurm job's, via its umask)
+            with private_files(), starting(f"{n} engine(s)"):
+                self.ipp.start_engines_sync(n)
+        except CalledProcessError as exc:  # the batch system's submit command refused the job
+            sets = list(self.ipp.engines.values())
+            self.ipp.engines.clear()
+            raise slurm.submit_error(exc, sets, self.config.batch.batch_command_timeout) from None
+        batch = slurm.job_launcher(self.ipp.engines.values())
+        self.job = slurm.SlurmJob(batch, self.config.batch) if batch is not None else None
+        for launcher in self.launchers():
+            if has_local_pid(launcher):  # a remote PID must never be mistaken for a local one
+                launcher.on_stop(self.on_exit)
+                self._launchers_by_pid[launcher.pid] = launcher
+                ipp_compat.run_wait_callbacks_at_once(launcher)
+        if cold := {getattr(la, "fallback_reason", "") for la in self.launchers()} - {""}:
+            self.say(f"engines started cold, not forked: {'; '.join(sorted(cold))}")
+
     def launchers(self) -> list[Any]:
         if self.ipp is None:
             return []
         return [la for es in self.ipp.engines.values() for la in engine_set_launchers(es)]
 
-    def local_pids(self) -> list[Pid]:
+    def _local_pids(self) -> list[Pid]:
         """Local engine processes with their children (a remote PID never selects one here)."""
         return process_trees(la.pid for la in self.launchers() if has_local_pid(la))
 
-    def owned_pids(self, helpers: Iterable[Pid] = ()) -> list[Pid]:
-        """The controller's family, the fork server, the local engines and these helpers."""
-        own = self.fork_server.owned() if self.fork_server is not None else []
-        family = self.processes.controller_family()
-        return sorted(set(family + own + self.local_pids() + list(helpers)))
+    def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
+        """The controller's family, the fork server, the engines here and their helpers."""
+        fork = self.fork_server
+        server = [(fork.pid, fork.create_time)] if fork is not None else []
+        return sorted(set(self.processes.controller_family() + server + self._local_pids()
+                          + self._helper_pids(ranks)))
+
+    def _helper_pids(self, ranks: list[RankProcess]) -> list[Pid]:
+        """Processes the ranks here started (DataLoader workers...), as probed at bootstrap."""
+        return [pid for rank in ranks if self.pid_is_here(rank) for pid in rank.helper_pids]
 
     def log_tail(self, pid: int, lines: int) -> str:
-        """The last lines the engine with this PID wrote to its log (crash messages land there);
-        the Slurm job's log for an engine that is not a process here."""
+        """The Slurm job's log for an engine that is not a process here."""
         launcher = self._launchers_by_pid.get(pid)
         if launcher is None:
             return self.job.log_tail(lines) if self.job is not None else ""
         return tail(_engine_log(launcher), lines, skip=ENGINE_LOG_NOISE)
 
-    def stop_engines(self, helpers: list[Pid]) -> bool:
-        """Stop every engine (local ones and these helpers by PID first) and forget them, for
-        new ones; False if ipyparallel could not stop the others (ask those to exit)."""
-        terminate_all(self.local_pids() + helpers, grace=self.config.start.stop_timeout)
-        stopped = self.stop_through_ipyparallel()
+    def stop_engines(self, ranks: list[RankProcess]) -> None:
+        """Those here and their helpers by PID, the others through ipyparallel, else asked."""
+        terminate_all(self._local_pids() + self._helper_pids(ranks),
+                      grace=self.config.start.stop_timeout)
+        stopped = self._stop_through_ipyparallel()
         self.ipp.engines.clear()
-        return stopped
+        if not stopped:
+            self._ask_remote_ranks_to_exit(ranks)
 
-    def stop_through_ipyparallel(self) -> bool:
+    def _stop_through_ipyparallel(self) -> bool:
         """Stop the engines through ipyparallel (ssh kill, scancel...); False if that failed."""
         job, self.job = self.job, None
         try:
@@ -235,50 +314,26 @@ class Engines:
                               + self.config.batch.batch_command_timeout)
         return stopped
 
-    def forget(self) -> None:
-        """Drop ipyparallel's Cluster (its processes are stopped already) and its threads."""
-        if self.ipp is None:
-            return
-        # an exit still being reported rewrites the cluster file: after the workdir went, it stayed
-        ipp_compat.end_wait_threads(self.launchers(), list(self._launchers_by_pid.values()), 1.0)
-        ipp_compat.end_loop_thread(self.ipp, self.config.start.stop_timeout)
-        self.ipp = None
+    def stop(self, ranks: list[RankProcess]) -> None:
+        if self.ipp is not None and not self.plan.engine_pids_local:  # ssh kill, scancel first
+            if not self._stop_through_ipyparallel():
+                self._ask_remote_ranks_to_exit(ranks)
+        owned = self.owned_pids(ranks)
+        super().stop(ranks)
+        terminate_all(owned, grace=self.config.start.stop_timeout)
+        if self.ipp is not None:  # drop it and its threads: an exit still being reported
+            # would rewrite the cluster file after the workdir went
+            ipp_compat.end_wait_threads(self.launchers(), list(self._launchers_by_pid.values()),
+                                        1.0)
+            ipp_compat.end_loop_thread(self.ipp, self.config.start.stop_timeout)
+            self.ipp = None
         if self.fork_server is not None:
             self.fork_server.reap()
             self.fork_server = None
 
 
-def ask_remote_engines_to_exit(client: Any, engine_ids: list[int]) -> None:
-    """Engines on other machines cannot be killed by PID: ask them to exit (best effort)."""
-    if client is None or not engine_ids:
-        return
-    try:
-        client.shutdown(targets=[e for e in engine_ids if e in client.ids], block=False)
-    except Exception:
-        pass
-
-
-def _end_with_kernel(plan: LauncherPlan, workdir: str) -> None:
-    """The controller ends when the kernel does, and the private directory goes with it (the
-    engines and the fork server end themselves)."""
-    launcher = plan.config.LocalControllerLauncher
-    if "controller_cmd" not in launcher:  # a user's own command wins
-        launcher.controller_cmd = controller_command(workdir)
-
-
-def _start_engines_early(plan: LauncherPlan, engine_file: str, wait_seconds: float) -> None:
-    """Local engines start with the controller, not after it (ipyparallel would wait for its
-    connection file first), and without a kernel nanny: nbdist signals them by PID and learns
-    of their exit from the launcher."""
-    engine_set = plan.config.LocalEngineSetLauncher
-    args = list(engine_set.engine_args) if "engine_args" in engine_set else []
-    engine_set.engine_args = [*args, f"--IPEngine.url_file={engine_file}",
-                              f"--IPEngine.wait_for_url_file={wait_seconds}",
-                              "--IPEngine.enable_nanny=False"]
-
-
 @contextmanager
-def _starting(what: str) -> Iterator[None]:
+def starting(what: str) -> Iterator[None]:
     """ipyparallel's own failures while starting (a command that is not there, a trait value
     it refuses) as one ClusterStartError that says what could not start and why."""
     try:

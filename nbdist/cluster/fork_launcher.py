@@ -1,14 +1,6 @@
-"""Local engines forked from a warm server instead of started cold, as ipyparallel launcher
-classes: `ForkEngineSetLauncher` is a `LocalEngineSetLauncher` whose engines are forked, so
-ipyparallel's Cluster, its engine sets and nbdist's PID handling stay.
-
-The server is the standard library's forkserver (`multiprocessing.forkserver.main`, reached
-through `nbdist.ipp_compat`), one per cluster: `ForkServerProcess` starts it beside the
-controller, with its own socket, log and preload list, so it shares nothing with the notebook's
-own multiprocessing. It is kept across restarts, stopped by PID with the rest of the cluster, and
-exits by itself when the kernel does (its alive pipe reads EOF). When it is gone, an engine
-launcher says why (`fallback_reason`) and starts its engine cold, as `LocalEngineLauncher` would.
-"""
+"""Local engines forked from the standard library's forkserver (through `nbdist.ipp_compat`),
+one per cluster with its own socket, log and preload list, as ipyparallel launcher classes; an
+engine the server cannot fork starts cold and says why (`fallback_reason`)."""
 
 from __future__ import annotations
 
@@ -16,31 +8,19 @@ import os
 import select
 import socket
 import subprocess
-import sys
 from typing import Any
 
 import psutil
-from ipyparallel.cluster.launcher import (
-    LocalEngineLauncher,
-    LocalEngineSetLauncher,
-    ProcessStateError,
-)
+from ipyparallel.cluster.launcher import LocalEngineLauncher, LocalEngineSetLauncher
 from traitlets import Float, Unicode
-from traitlets.config import Config
 
 from nbdist import ipp_compat
-from nbdist.cluster.processes import private_files
 from nbdist.text import tail
 from nbdist.worker.engine import ENGINE_MODULE, FORK_PRELOAD, ForkedEngine
 
-SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"
-"""The `engine_launcher_class` a local cluster with a fork server gives ipyparallel."""
-
-POLL_SECONDS = 0.5
-"""How often an engine's wait thread looks whether the cluster stopped waiting for it."""
-
-_REAP_SECONDS = 5.0
-"""How long a stopped cluster waits for its fork server to exit once its alive pipe closed."""
+SET_LAUNCHER = "nbdist.cluster.fork_launcher.ForkEngineSetLauncher"  # engine_launcher_class
+POLL_SECONDS = 0.5  # how often an engine's wait thread looks whether the cluster stopped waiting
+_REAP_SECONDS = 5.0  # how long a stopped cluster waits for its fork server to exit
 
 
 class ForkServerUnavailable(Exception):
@@ -65,19 +45,13 @@ class ForkEngineLauncher(LocalEngineLauncher):
 
     fork_socket = Unicode("", config=True, help="The fork server's Unix socket.")
     fork_timeout = Float(90.0, config=True, help="Seconds to wait for the fork server to fork.")
-    fallback_reason = ""
-    """Why this engine was started cold instead of forked ('' when it was forked)."""
+    fallback_reason = ""  # why this engine was started cold instead of forked
     _status: int | None = None  # the pipe the server writes the engine's exit code to
 
     def start(self) -> None:
-        if self.state != "before":
-            raise ProcessStateError(f"The process was already started and has state: {self.state}")
-        env = os.environ.copy()
-        env.update(self.get_env())
+        env = {**os.environ, **self.get_env()}
         engine = ForkedEngine(list(self.args), env, self.work_dir, self.output_file)
         try:
-            if not self.fork_socket:
-                raise ForkServerUnavailable("no fork server was started for this cluster")
             self._status, self.pid = fork(self.fork_socket, engine, self.fork_timeout)
         except (ForkServerUnavailable, OSError, ValueError) as exc:
             self.fallback_reason = str(exc)
@@ -117,8 +91,7 @@ class ForkEngineLauncher(LocalEngineLauncher):
 
 
 class ForkEngineSetLauncher(LocalEngineSetLauncher):
-    """A set of local engines forked by the fork server (see `ForkEngineLauncher`; its traits,
-    `ForkEngineLauncher.fork_socket` above all, come through the config)."""
+    """Local engines forked by the fork server (`ForkEngineLauncher.fork_socket`, in the config)."""
 
     launcher_class = ForkEngineLauncher
     # ipyparallel sleeps this long between two engines of a set (0.1 s: 0.3 s of every start
@@ -127,7 +100,8 @@ class ForkEngineSetLauncher(LocalEngineSetLauncher):
 
 
 class ForkServerProcess:
-    """The kernel's handle on one fork server it started: its process, socket and log."""
+    """One fork server: kept across restarts, stopped by PID with the cluster, and ending by
+    itself with the kernel (its alive pipe reads EOF)."""
 
     def __init__(self, workdir: str, python: str) -> None:
         """Start the server; returns at once (it imports torch meanwhile)."""
@@ -152,23 +126,14 @@ class ForkServerProcess:
             finally:
                 os.close(alive_r)
         self.pid = self.process.pid
-        try:
-            self.create_time = psutil.Process(self.pid).create_time()
-        except psutil.NoSuchProcess:
-            self.create_time = 0.0
-
-    def owned(self) -> list[tuple[int, float]]:
-        """The server as a (pid, create time) record among the processes the cluster owns."""
-        return [(self.pid, self.create_time)]
+        self.create_time = psutil.Process(self.pid).create_time()  # unreaped: it is our child
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
     def why_gone(self) -> str:
-        """Why the server cannot fork ('' while it runs): how it exited and the end of its log."""
-        code = self.process.poll()
-        if code is None:
-            return ""
+        """Why the server, gone, cannot fork: how it exited and the end of its log."""
+        code = self.process.poll() or 0
         how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
         try:
             with open(self.log_path, errors="replace") as f:
@@ -187,15 +152,3 @@ class ForkServerProcess:
         except subprocess.TimeoutExpired:  # still importing: it reads that pipe only afterwards
             self.process.kill()
             self.process.wait()
-
-
-def start_fork_server(config: Config, workdir: str, wait: float) -> ForkServerProcess:
-    """Start a fork server for a local cluster (with the engines' Python) and point the engine
-    launchers of `config` at it; returns at once."""
-    engine_set = config.LocalEngineSetLauncher
-    python = engine_set.engine_cmd[0] if "engine_cmd" in engine_set else sys.executable
-    with private_files():  # its log and socket: owner only
-        server = ForkServerProcess(workdir, python)
-    config.ForkEngineLauncher.fork_socket = server.socket_path
-    config.ForkEngineLauncher.fork_timeout = wait
-    return server

@@ -1,6 +1,5 @@
-"""How engines start: `launcher="local"|"mpi"|"slurm"|"ssh"` mapped onto ipyparallel's own
-launchers, as a traitlets `Config` plus `ipyparallel.Cluster` keyword arguments (pure functions);
-and which launchers' PIDs are processes on this machine, the only ones nbdist signals by PID."""
+"""`launcher="local"|"mpi"|"slurm"|"ssh"` and its options mapped onto ipyparallel's own launchers
+(a traitlets `Config` and `ipyparallel.Cluster` arguments), and which launchers' PIDs are local."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ from nbdist.cluster.arguments import (
 from nbdist.errors import NbdistError, NbdistWarning
 from nbdist.worker import net
 
-LAUNCHERS = ("local", "mpi", "slurm", "ssh")
-"""The values `launcher=` (and `%dist_start --launcher`) accept."""
+LAUNCHERS = ("local", "mpi", "slurm", "ssh")  # what launcher= (%dist_start --launcher) accepts
 
 ENGINE_SET_CLASS = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
                     "slurm": "SlurmEngineSetLauncher", "ssh": "SSHEngineSetLauncher"}
@@ -71,30 +69,19 @@ RENDEZVOUS_WARNING = (
 
 
 class MultiHostWarning(NbdistWarning):
-    """Emitted once per start of a cluster whose sockets listen off loopback."""
+    """Once per start of a cluster whose sockets listen off loopback."""
 
 
 @dataclass(frozen=True)
 class LauncherPlan:
     """What nbdist hands ipyparallel for one cluster, and what it may do with the processes."""
 
-    launcher: str
-    """One of LAUNCHERS."""
-
-    config: Config
-    """traitlets config for ipyparallel.Cluster (engine-set launcher class and its traits)."""
-
-    cluster_kwargs: dict[str, Any]
-    """Keyword arguments for ipyparallel.Cluster (controller address, engine launcher, args)."""
-
-    spans_hosts: bool
-    """Engines may run on other machines: bind off loopback, find MASTER_ADDR among the ranks."""
-
-    engine_pids_local: bool
-    """The engine-set launcher's PIDs are processes on this machine (safe to signal by PID)."""
-
-    curve: bool
-    """Encrypt with CurveZMQ (`--curve`) ipyparallel's traffic and the cell channel."""
+    launcher: str  # one of LAUNCHERS
+    config: Config  # for ipyparallel.Cluster: the engine-set launcher class and its traits
+    cluster_kwargs: dict[str, Any]  # ipyparallel.Cluster's: controller address, launcher, args
+    spans_hosts: bool  # engines may run elsewhere: bind off loopback, MASTER_ADDR among the ranks
+    engine_pids_local: bool  # the engine-set launcher's PIDs are processes here (signalled by PID)
+    curve: bool  # CurveZMQ (`--curve`) on ipyparallel's traffic and the cell channel
 
 
 def engine_command(python: str | None = None) -> list[str]:
@@ -104,12 +91,9 @@ def engine_command(python: str | None = None) -> list[str]:
 
 def build_launcher_plan(launcher: str = "local", options: Mapping[str, Any] | None = None, *,
                         n: int | None = None, interface: str | None = None) -> LauncherPlan:
-    """Map nbdist's launcher choice and options onto ipyparallel (no process is started).
-
-    `options` take friendly names (mpi_args, partition, hosts, ...), the common ones
-    (controller_ip, curve, heartbeat_period_ms, ...), or any ipyparallel trait spelled
-    ``"Class.trait"`` (e.g. ``"SlurmEngineSetLauncher.batch_template"``), passed through verbatim.
-    """
+    """Map the launcher and its options onto ipyparallel, starting nothing. `options` take
+    friendly names (mpi_args, partition, hosts...), the common ones (controller_ip, curve...), or
+    any ipyparallel trait as ``"Class.trait"``, passed through verbatim."""
     if launcher not in LAUNCHERS:
         raise NbdistError(f"--launcher {launcher!r}: choose one of {', '.join(LAUNCHERS)}")
     opts = dict(options or {})

@@ -1,6 +1,5 @@
-"""Which ranks are still alive: engines' exit statuses (local engines, by PID), engines the
-controller dropped (remote ones), and the one poll (`poll_dead`) that turns them into dead ranks
-with a reason ("killed by SIGKILL (signal 9)", a Slurm job's end...)."""
+"""Which ranks are still alive: local engines' exit statuses, engines the controller dropped, a
+Slurm job's end, turned into dead ranks with a reason by the one poll, `poll_dead`."""
 
 from __future__ import annotations
 
@@ -28,16 +27,14 @@ class Liveness:
         self._lost_ranks: list[int] = []
 
     def record_exit(self, stop_data: dict[str, Any]) -> None:
-        """A launcher's on_stop callback (runs on its wait thread)."""
+        """A launcher's on_stop callback (on its wait thread)."""
         with self._lock:
             self._exit_codes[int(stop_data.get("pid", -1))] = stop_data.get("exit_code")
 
     def watch_unregistrations(self, client: Any) -> None:
-        """Mark a remote rank dead the moment the controller drops its engine, before
-        ipyparallel turns its running task into an EngineError, so a cell reports "died" (with
-        the host) rather than "raised". Remote PIDs cannot be polled; this is how we learn."""
-        # without the hook, poll_dead still notices through client.ids, only later
-        ipp_compat.on_unregistration(client, self.engine_lost)
+        """A remote rank is dead the moment the controller drops its engine, before ipyparallel
+        makes its task an EngineError: a cell reports "died" (with the host), not "raised"."""
+        ipp_compat.on_unregistration(client, self.engine_lost)  # else poll_dead, later
 
     def engine_lost(self, engine_id: int) -> None:
         """On ipyparallel's IO thread: the rank is dead at once (a cell finishing now must see
@@ -50,9 +47,8 @@ class Liveness:
                     self._lost_ranks.append(proc.spec.rank)
 
     def poll_dead(self) -> dict[int, str]:
-        """Ranks whose engine process has exited since the last check: rank -> 'signal 9' etc.
-        Also notices a controller that is gone (`controller_lost`)."""
-        cluster, job = self.cluster, self.cluster.launch_mode.engines.job
+        """Ranks found dead since the last check, with why; also a lost controller."""
+        cluster, job = self.cluster, self.cluster.launch_mode.job
         with self._lock:
             lost, self._lost_ranks = self._lost_ranks, []
         newly_dead = {rank: cluster.ranks[rank].exit_detail for rank in lost}
@@ -62,16 +58,14 @@ class Liveness:
         for proc in cluster.ranks:
             if proc.state == "dead":
                 continue
-            if cluster.launch_mode.pid_is_here(proc):
-                detail = job_end or self._local_exit(proc)
-            elif job_end or not cluster.is_registered(proc.spec.engine_id):
-                detail = job_end or _lost_detail(proc)
-            else:
-                detail = None
-            if detail is not None and job_end is None:
-                # a batch job ended (scancel, time limit) is the cause, not the engine's exit
-                job_end = job.ended_detail(fresh=True) if job else None
-                detail = job_end or detail
+            detail = job_end
+            if detail is None:
+                detail = (self._local_exit(proc) if cluster.launch_mode.pid_is_here(proc)
+                          else None if cluster.is_registered(proc.spec.engine_id)
+                          else _lost_detail(proc))
+                if detail is not None and job:  # a job's end is the cause, not an engine's exit
+                    job_end = job.ended_detail(fresh=True)
+                    detail = job_end or detail
             if detail is not None:
                 cluster.mark_dead(proc.spec.rank, detail)
                 newly_dead[proc.spec.rank] = detail

@@ -1,5 +1,4 @@
-"""Every process a cluster owns, by PID: its private directory, and the controller with the
-children it forks."""
+"""Every process a cluster owns, by PID: its private directory and its controller's family."""
 
 from __future__ import annotations
 
@@ -19,49 +18,42 @@ Pid = tuple[int, float]
 
 
 class OwnedProcesses:
-    """The cluster's private directory and its controller's process family."""
+    """The cluster's private directory and its controller."""
 
     def __init__(self, config: NbdistConfig) -> None:
         self.config = config
         self.workdir = ""
         self.controller: Pid | None = None
-        self._controller_children: set[Pid] = set()
 
     def create_workdir(self) -> None:
         self.workdir = tempfile.mkdtemp(prefix="nbdist-")  # 0700 by construction
 
     def record_controller(self, pid: int) -> None:
         self.controller = (pid, psutil.Process(pid).create_time())
-        self._controller_children = set()
 
     def controller_alive(self) -> bool:
         return self.controller is not None and same_process(*self.controller) is not None
 
-    def remember_controller_children(self) -> None:
-        """Note the controller's children (schedulers, heart monitor) while it lives: once it
-        is killed they are orphans that only this record still names."""
-        proc = same_process(*self.controller) if self.controller else None
-        if proc is not None:
-            self._controller_children.update(process_trees([proc.pid])[1:])
-
     def controller_family(self) -> list[Pid]:
-        """The controller and its children, as remembered."""
+        """The controller and every process of its process group (ipyparallel starts it in a
+        session of its own; its schedulers and heart monitor are forked): found even after the
+        controller was killed, since a group's ID is not reused while it has a member."""
         if not self.controller:
             return []
-        self.remember_controller_children()
-        return [self.controller, *sorted(self._controller_children)]
+        leader, created = self.controller
+        family = [self.controller]
+        for proc in psutil.process_iter():
+            try:
+                if (proc.pid != leader and os.getpgid(proc.pid) == leader
+                        and proc.create_time() >= created):
+                    family.append((proc.pid, proc.create_time()))
+            except (OSError, psutil.Error):  # gone meanwhile
+                continue
+        return family
 
     def remove_workdir(self) -> None:
         if self.workdir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-
-def write_private(path: str, text: str) -> None:
-    """`text` into `path`, owner-only and atomically: no reader ever sees half of it."""
-    tmp = f"{path}.tmp"
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 @contextmanager

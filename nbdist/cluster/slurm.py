@@ -1,5 +1,5 @@
-"""The engines' Slurm job, as ipyparallel's SlurmEngineSetLauncher submitted it: its state and
-reason (scontrol), sbatch's own error, the job's end in words, cancelling it for good."""
+"""The engines' Slurm job, as ipyparallel's SlurmEngineSetLauncher submitted it (ipyparallel has no
+job state): its state (scontrol), sbatch's own error, the job's end in words, its cancel."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from nbdist.errors import ClusterStartError
 from nbdist.text import tail
 
 QUEUED = ("PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_HOLD", "RESIZING", "SUSPENDED")
-"""Job states in which the engines have not started (yet)."""
 
 HOPELESS_REASONS = ("PartitionConfig", "PartitionNodeLimit", "PartitionTimeLimit",
                     "BadConstraints", "InvalidAccount", "InvalidQOS", "PartitionDown",
@@ -35,26 +34,18 @@ _FIELDS = re.compile(r"(?:^|\s)(JobState|Reason|ExitCode|TimeLimit)=(\S*)")
 class JobState:
     """One `scontrol show job` answer about a job."""
 
-    state: str
-    """PENDING, RUNNING, COMPLETING, CANCELLED, TIMEOUT...; "" once Slurm forgot the job."""
-
-    reason: str
-    """Why it waits or ended (Resources, Priority, TimeLimit, NodeDown, None...)."""
-
-    time_limit: str
-    """The job's time limit as Slurm writes it (00:10:00, UNLIMITED)."""
-
-    exit_signal: int = 0
-    """The signal that ended the job's batch script (ExitCode=0:15: 15), 0 if none (yet)."""
+    state: str  # PENDING, RUNNING, COMPLETING, CANCELLED...; "" once Slurm forgot the job
+    reason: str  # why it waits or ended (Resources, TimeLimit, NodeDown, None...)
+    time_limit: str  # as Slurm writes it (00:10:00, UNLIMITED)
+    exit_signal: int = 0  # the signal that ended the batch script (ExitCode=0:15: 15), else 0
 
     @property
     def ended(self) -> bool:
-        """Slurm is done with the job: no step or process of it is left."""
+        """No step or process of the job is left."""
         return self.state not in QUEUED and self.state not in ("RUNNING", "COMPLETING")
 
     @property
     def why(self) -> str:
-        """The reason in brackets, or "" when Slurm gives none."""
         return f" ({self.reason})" if self.reason and self.reason != "None" else ""
 
     @property
@@ -165,7 +156,7 @@ class SlurmJob:
         return job.state in QUEUED
 
     def summary(self) -> str:
-        """One line for %dist_status: the job, its state (and reason), time limit and log."""
+        """One line for %dist_status: state and reason, time limit, log."""
         job = self.state()
         return (f"Slurm job {self.job_id}: {job.ending_as or job.state or 'gone'}{job.why}, "
                 f"time limit {job.time_limit or '?'}, log {self.launcher.output_file}")
@@ -194,7 +185,7 @@ class SlurmJob:
         return self.end_detail(job) if job.ended or job.ending_as else None
 
     def log_tail(self, lines: int = 20) -> str:
-        """The end of the job's output file (every task's engine writes there)."""
+        """The end of the job's output file, where every task's engine writes."""
         path = self.launcher.output_file
         try:
             with open(path, errors="replace") as f:
@@ -204,15 +195,10 @@ class SlurmJob:
         return (f"--- Slurm job {self.job_id} log {path} (last {lines} lines) ---\n"
                 + tail(text, lines, skip=ENGINE_LOG_NOISE))
 
-    @property
-    def cancel_command(self) -> list[str]:
-        """The command that cancels the job (ipyparallel's delete_command: scancel ID)."""
-        return [*self.launcher.delete_command, self.job_id]
-
     def cancel(self, timeout: float) -> bool:
         """scancel the job (again: harmless) and wait until Slurm lists it as ended, so no step
         or engine is left; False if it is still there after `timeout`."""
-        subprocess.run(self.cancel_command, capture_output=True,
+        subprocess.run([*self.launcher.delete_command, self.job_id], capture_output=True,
                        timeout=self.config.batch_command_timeout)
         deadline = time.monotonic() + timeout
         while not self.state(fresh=True).ended:

@@ -1,12 +1,9 @@
-"""Entry point of an nbdist engine: an ordinary ipyparallel engine that imports torch meanwhile.
-
-Importing torch takes seconds; starting it on a thread lets it overlap with the engine's own
-start-up and registration, so the rank bootstrap finds it already loaded. A local engine forked
-from the cluster's fork server starts as a `ForkedEngine`, which sets it up as Popen would have.
-"""
+"""Entry point of an nbdist engine: an ipyparallel engine that imports torch on a thread while it
+starts and registers (seconds saved). One forked by the fork server is set up by `ForkedEngine`."""
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import sys
@@ -24,41 +21,31 @@ FORK_PRELOAD = [
 ]
 """What the fork server imports once, so that every engine forked from it finds it loaded."""
 
-ENGINE_MODULE = "nbdist.worker.engine"
-"""The module an engine runs as ``__main__`` (``python -m nbdist.worker.engine``), forked or not."""
+ENGINE_MODULE = "nbdist.worker.engine"  # what an engine runs as __main__, forked or not
 
 
 def _preload() -> None:
-    try:
-        import torch  # noqa: F401
+    with contextlib.suppress(Exception):  # the bootstrap imports again and reports the error
         import torch.distributed  # noqa: F401
-    except Exception:  # the bootstrap imports again and reports the real error
-        pass
 
 
-_CRASH_LOG = None
+_CRASH_LOG = None  # kept open for faulthandler
 
 USER_UMASK_ENV = "NBDIST_USER_UMASK"
 """The notebook's umask (octal): nbdist starts engines under a private one (owner-only files,
 `nbdist.cluster.processes.private_files`); the engine puts the user's back before any user code."""
 
 
-def _restore_user_umask() -> None:
-    value = os.environ.pop(USER_UMASK_ENV, None)
-    if value:
-        os.umask(int(value, 8))
-
-
 def main() -> None:
-    # a segfault or abort then leaves a Python stack in the engine log, which nbdist shows
-    # ipykernel later points fd 2 at a pipe that a thread forwards to the notebook; that thread
-    # dies with the process, so write crash stacks to a duplicate of the real stderr (the log)
     global _CRASH_LOG
-    _restore_user_umask()
+    if umask := os.environ.pop(USER_UMASK_ENV, None):
+        os.umask(int(umask, 8))
     release.install()  # first: before any thread starts (see nbdist.worker.release)
     # ipykernel imports debugpy (and pydevd: ~0.1 s of CPU per engine) for a debugger that
     # ipyparallel engines cannot use ("debugging will not be enabled"); it copes without it
     sys.modules.setdefault("debugpy", None)  # type: ignore[assignment]
+    # a segfault's Python stack goes to the engine log, which nbdist shows: ipykernel later
+    # points fd 2 at a pipe whose reader thread dies with the process, so to a copy of fd 2
     _CRASH_LOG = os.fdopen(os.dup(2), "w")
     faulthandler.enable(file=_CRASH_LOG)
     threading.Thread(target=_preload, name="nbdist-preload", daemon=True).start()
@@ -93,10 +80,8 @@ class ForkedEngine(ipp_compat.ForkserverChild):
             traceback.print_exc()
         finally:
             for stream in (sys.stdout, sys.stderr):
-                try:
+                with contextlib.suppress(Exception):
                     stream.flush()
-                except Exception:
-                    pass
         return code
 
     def _become_engine(self) -> None:

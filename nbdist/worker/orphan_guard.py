@@ -10,11 +10,8 @@ from typing import Any
 
 from nbdist.worker.process_tree import exit_with_descendants, same_process
 
-LOST_POLL_SECONDS = 0.1
-"""While the notebook's end is disconnected: how often the guard looks again."""
-
-Notebook = tuple[int, float]
-"""The notebook kernel as (pid, create time)."""
+LOST_POLL_SECONDS = 0.1  # while the notebook's end is disconnected: how often to look again
+Notebook = tuple[int, float]  # the notebook kernel as (pid, create time)
 
 
 def guard(socket: Any, notebook: Notebook, grace: float) -> None:
@@ -47,22 +44,13 @@ def _watch(monitor: Any, notebook: Notebook | None, grace: float) -> None:
                     lost_since = None
                 elif lost_since is None:
                     lost_since = time.monotonic()
-            if lost_since is not None and _notebook_gone(notebook, lost_since, grace):
-                _end_rank(grace)
+            if lost_since is not None and (same_process(*notebook) is None if notebook
+                                           else time.monotonic() - lost_since > grace):
+                # stop its descendants too: the main thread may be blocked in a collective
+                print("nbdist: the notebook kernel is gone; this rank ends",
+                      file=sys.__stderr__, flush=True)
+                exit_with_descendants(grace)
     except zmq.ZMQError:  # the context is ending with the engine
         return
     finally:
         monitor.close(linger=0)
-
-
-def _notebook_gone(notebook: Notebook | None, lost_since: float, grace: float) -> bool:
-    if notebook is not None:
-        return same_process(*notebook) is None
-    return time.monotonic() - lost_since > grace
-
-
-def _end_rank(grace: float) -> None:
-    """Stop every descendant of this rank, then exit: the main thread may be blocked in a
-    collective whose peers are ending too."""
-    print("nbdist: the notebook kernel is gone; this rank ends", file=sys.__stderr__, flush=True)
-    exit_with_descendants(grace)

@@ -1,8 +1,9 @@
-"""A process tree stopped for good: frozen first so nothing it forks escapes, then SIGTERM, then
-SIGKILL. Used by a rank or controller that ends itself and by the cluster's `%dist_stop`."""
+"""A process tree stopped for good (frozen, SIGTERM, SIGKILL): by a rank or controller that ends
+itself and by `%dist_stop`."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -23,11 +24,9 @@ def same_process(pid: int, create_time: float) -> psutil.Process | None:
 
 
 def terminate_all(pids: list[tuple[int, float]], grace: float) -> list[int]:
-    """Stop each still-living recorded process and every child it has: SIGTERM, then SIGKILL
-    what is left after `grace` seconds; returns the PIDs it found.
-
-    The tree is frozen first (SIGSTOP), parents before children, each level listed only once
-    its processes are seen stopped: a process that is still forking leaves no child behind."""
+    """Stop each still-living recorded process and all its descendants: SIGTERM, then SIGKILL
+    after `grace` s; returns their PIDs. Frozen first (SIGSTOP), each level listed only once seen
+    stopped, so that a process still forking leaves no child behind."""
     frozen = [p for p in (same_process(pid, ct) for pid, ct in pids) if p is not None]
     seen = {p.pid for p in frozen}
     level = list(frozen)
@@ -48,8 +47,8 @@ def terminate_all(pids: list[tuple[int, float]], grace: float) -> list[int]:
 
 
 def exit_with_descendants(grace: float) -> NoReturn:
-    """Stop every descendant of this process (`terminate_all` on its children: never on itself,
-    which it would freeze), then exit at once, whatever the main thread is blocked in."""
+    """Stop every descendant (`terminate_all` on its children: on itself, it would freeze), then
+    exit at once, whatever the main thread is blocked in."""
     children = []
     for child in psutil.Process().children():
         try:
@@ -61,8 +60,7 @@ def exit_with_descendants(grace: float) -> NoReturn:
 
 
 def stop_processes(procs: list[psutil.Process], grace: float) -> None:
-    """SIGTERM these processes (and SIGCONT, for any frozen one to act on it), then SIGKILL
-    whichever is still running after `grace` seconds."""
+    """SIGTERM (and SIGCONT, for a frozen one to act on it), then SIGKILL after `grace` s."""
     _signal_each(procs, signal.SIGTERM)
     _signal_each(procs, signal.SIGCONT)
     still = _wait_for(procs, _EXITED, grace)
@@ -98,7 +96,5 @@ def _wait_for(procs: list[psutil.Process], states: set[str],
 
 def _signal_each(procs: list[psutil.Process], sig: int) -> None:
     for proc in procs:
-        try:
+        with contextlib.suppress(psutil.NoSuchProcess):
             proc.send_signal(sig)
-        except psutil.NoSuchProcess:
-            pass
