@@ -128,7 +128,7 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
             channel=channel.setup_for(rendezvous.channel_host(probed), ends_with_kernel),
             config=config)
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
-    rebuilds = {eid: client[eid].apply_async(bootstrap.rebuild_process_group, port,
+    rebuilds = {eid: client[eid].apply_async(bootstrap.rebuild_process_group, port, generation,
                                              rendezvous.master_addr, store_path)
                 for eid in living}
     started = time.monotonic()

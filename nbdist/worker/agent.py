@@ -23,15 +23,10 @@ LOG_KEYS = ("metrics", "timing")  # what a light payload, prompted by log() or a
 
 
 class TelemetryAgent:
-    def __init__(
-        self,
-        rank: int,
-        interval: float,
-        publish: Callable[[dict[str, Any]], None],
-        log_spacing: float = LOG_SPACING,
-        start_delay: float = InternalConfig.telemetry_start_delay,
-        collective_interval: float = TelemetryConfig.collective_report_interval,
-    ) -> None:
+    def __init__(self, rank: int, interval: float, publish: Callable[[dict[str, Any]], None],
+                 log_spacing: float = LOG_SPACING,
+                 start_delay: float = InternalConfig.telemetry_start_delay,
+                 collective_interval: float = TelemetryConfig.collective_report_interval) -> None:
         self.rank = rank
         self.interval = interval
         self.log_spacing = min(log_spacing, interval)
@@ -42,7 +37,7 @@ class TelemetryAgent:
         self.blocked_since: Callable[[], float | None] | None = None
         self._publish = publish
         self._providers: dict[str, Provider] = {}
-        self._publish_lock = threading.Lock()
+        self._publish_lock = threading.RLock()
         self._stop = threading.Event()
         self.wake = threading.Event()  # set by log() and optimizer steps
         self._last_publish = 0.0
@@ -92,16 +87,12 @@ class TelemetryAgent:
         with self._publish_lock:
             payload = self.collect(reason, only)
             if payload is not None:
-                self._send(payload)
+                self.send(payload)
 
     def send(self, payload: dict[str, Any]) -> None:
-        """Publish a payload no provider made (a breakpoint's prompt), from any thread."""
-        with self._publish_lock:
-            self._send(payload)
-
-    def _send(self, payload: dict[str, Any]) -> None:
-        self._last_publish = time.monotonic()
-        with contextlib.suppress(Exception):  # the notebook link is gone or closing
+        """Publish a payload (one no provider made: a breakpoint's prompt), from any thread."""
+        with self._publish_lock, contextlib.suppress(Exception):  # the notebook link is gone
+            self._last_publish = time.monotonic()
             self._publish({TELEMETRY_KEY: payload})
 
     def collect(self, reason: str, only: tuple[str, ...] | None = None) -> dict[str, Any] | None:
@@ -138,7 +129,7 @@ class TelemetryAgent:
                 if start and now >= start[0]:
                     self._start = None
                     if start[1] is not None:
-                        self._send(start[1])
+                        self.send(start[1])
             if now >= next_tick:
                 self.wake.clear()
                 next_tick = now + self.interval
@@ -164,7 +155,7 @@ class TelemetryAgent:
     def _report_if_blocked(self, now: float) -> None:
         """Between ticks: a light "where" payload while the rank waits inside a collective."""
         since = self.blocked_since() if self.cell_running and self.blocked_since else None
-        if since is None or time.time() - since < self.collective_interval:
-            return
-        if now - self._last_publish >= self.collective_interval:
+        interval = self.collective_interval
+        if (since is not None and time.time() - since >= interval
+                and now - self._last_publish >= interval):
             self.publish_now("collective", only=("where",))

@@ -8,10 +8,9 @@ import socket
 import sys
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from nbdist import torch_support
 from nbdist.worker import (
     collectives,
     flight_recorder,
@@ -32,8 +31,7 @@ from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
 
 @dataclass
 class RankRuntime:
-    spec: RankSpec | None = None
-    pg_timeout: float = 60.0
+    setup: RankSetup | None = None  # the current generation's
     # gloo only: NCCL's record completes when its watchdog looks, nothing to wait for
     cell_end_collective_wait: float = 0.0
     agent: TelemetryAgent | None = None
@@ -104,7 +102,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
     from IPython import get_ipython
 
     spec, config = setup.spec, setup.config
-    RUNTIME.spec, RUNTIME.pg_timeout = spec, setup.process_group_timeout
+    RUNTIME.setup = setup
     os.environ.update(spec.env(setup.master_addr, setup.port))
     os.environ["OMP_NUM_THREADS"] = str(setup.threads)
     torch.set_num_threads(setup.threads)
@@ -131,8 +129,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
     if spec.backend == "gloo":
         RUNTIME.cell_end_collective_wait = config.faults.cell_end_collective_wait
-    process_group.init_generation(spec, setup.master_addr, setup.port, RUNTIME.pg_timeout,
-                                  setup.store_path)
+    process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
     apply_memory_limit(config.start.memory_limit, device)
     return RankReady(device=str(device), threads=setup.threads, endpoint=endpoint,
@@ -249,14 +246,16 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
         sys.settrace(tracer)
 
 
-def rebuild_process_group(port: int, master_addr: str, store_path: str | None = None) -> None:
+def rebuild_process_group(port: int, generation: int, master_addr: str,
+                          store_path: str | None = None) -> None:
     """Join a new generation on a fresh port, outside the rank's --memory-limit: its new threads
     must start even when a cell filled the budget."""
-    assert RUNTIME.spec is not None, "setup_rank first"
+    assert RUNTIME.setup is not None, "setup_rank first"
+    RUNTIME.setup = replace(RUNTIME.setup, port=port, generation=generation,
+                            master_addr=master_addr, store_path=store_path)
     with lifted():
         process_group.teardown()
-        process_group.init_generation(RUNTIME.spec, master_addr, port, RUNTIME.pg_timeout,
-                                      store_path)
+        process_group.init_generation(RUNTIME.setup)
 
 
 # closes this rank's group so peers blocked on it fail now instead of at the timeout
@@ -286,10 +285,7 @@ def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective]:
     return collectives.TRACKER.entries()[-limit:]
 
 
-def collectives_trace(stacks: bool) -> bytes:
-    """This rank's flight-recorder trace, as torch's analyser reads it."""
-    torch_support.require("flight-recorder")
-    return flight_recorder.analyser_trace(stacks)
+collectives_trace = flight_recorder.analyser_trace  # the rank's trace for torch's analyser
 
 
 def shutdown_rank() -> None:

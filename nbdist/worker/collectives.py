@@ -11,6 +11,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -45,14 +46,12 @@ def describe_location(filename: str, lineno: int) -> str:
 
 def user_location(frame: Any) -> str:
     """The innermost frame outside torch and nbdist (the user's code), described briefly."""
-    first = frame
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (_TORCH_DIR and filename.startswith(_TORCH_DIR) or filename.startswith("<frozen")
-                or f"{os.sep}nbdist{os.sep}" in filename):
-            return describe_location(filename, frame.f_lineno)
-        frame = frame.f_back
-    return describe_location(first.f_code.co_filename, first.f_lineno)
+    for outer, lineno in traceback.walk_stack(frame):
+        filename = outer.f_code.co_filename
+        if (not filename.startswith((_TORCH_DIR, "<frozen"))
+                and f"{os.sep}nbdist{os.sep}" not in filename):
+            return describe_location(filename, lineno)
+    return describe_location(frame.f_code.co_filename, frame.f_lineno)
 
 
 @dataclass
@@ -64,10 +63,9 @@ class CollectiveCall:
 
 def _position(fn: Any, name: str) -> int | None:
     try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
+        return list(inspect.signature(fn).parameters).index(name)
+    except (TypeError, ValueError):  # no signature, or no such parameter
         return None
-    return params.index(name) if name in params else None
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None) -> Any:
@@ -218,7 +216,7 @@ def _release_broken_group(exc: BaseException) -> None:
 
     tb = exc.__traceback__
     while tb is not None:
-        if _TORCH_DIR and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
+        if tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
             with contextlib.suppress(RuntimeError):  # a frame still executing keeps its locals
                 tb.tb_frame.clear()
         tb = tb.tb_next
@@ -253,14 +251,12 @@ def _recorded_name() -> str:
 def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
     """The main thread's stack from its first cell frame on, innermost last, as short
     'file:line in func' strings; a deep library stack keeps the cell's own innermost frame."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    lines: list[str] = []
-    while frame is not None and len(lines) < 60:
-        code = frame.f_code
-        if f"{os.sep}nbdist{os.sep}" not in code.co_filename:  # its wrappers are not the user's
-            lines.append(f"{describe_location(code.co_filename, frame.f_lineno)} in {code.co_name}")
-        frame = frame.f_back
-    lines.reverse()
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return []
+    lines = [f"{describe_location(f.f_code.co_filename, lineno)} in {f.f_code.co_name}"
+             for f, lineno in traceback.walk_stack(frame)
+             if f"{os.sep}nbdist{os.sep}" not in f.f_code.co_filename][:60][::-1]  # not the user's
     cell = [i for i, line in enumerate(lines) if line.startswith("cell line")]
     if not cell:
         return lines[-limit:]

@@ -172,6 +172,7 @@ WATCHER = Watcher()
 def analyser_trace(stacks: bool = True) -> bytes:
     """The rank's whole trace in the format torch.distributed.flight_recorder's analyser reads
     (one file per rank); gloo leaves the groups' ranks out of it, so they are filled in here."""
+    torch_support.require("flight-recorder")
     trace = _dump(True, stacks)
     config = dict(trace.get("pg_config") or {})
     config.pop("", None)

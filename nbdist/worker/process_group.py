@@ -125,17 +125,17 @@ GENERATION_STARTED = 0.0
 KEPT_ERROR: BaseException | None = None  # the last cell error the teardown found, for %dist_debug
 
 
-def init_generation(spec: Any, master_addr: str, port: int, timeout_s: float,
-                    store_path: str | None = None) -> None:
-    """Join a new generation (`spec`: the rank's RankSpec). On one host the store is an owner-only
-    file (`store_path`): nothing listens on a port. Across hosts: a TCP store on rank 0."""
+def init_generation(setup: Any) -> None:
+    """Join the generation a `RankSetup` names. On one host its store is an owner-only file
+    (`store_path`): nothing listens on a port. Across hosts: a TCP store on rank 0."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     global GENERATION_STARTED
     GENERATION_STARTED = time.time()
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=setup.master_addr, MASTER_PORT=str(setup.port))
+    spec, store_path, timeout_s = setup.spec, setup.store_path, setup.process_group_timeout
     rank, world_size, nccl = spec.rank, spec.world_size, spec.backend == "nccl"
     kwargs: dict[str, Any] = {}
     if nccl and len(spec.gpus) == 1:
@@ -147,7 +147,7 @@ def init_generation(spec: Any, master_addr: str, port: int, timeout_s: float,
         os.close(os.open(store_path, os.O_WRONLY | os.O_CREAT, 0o600))
         kwargs["store"] = dist.FileStore(store_path, world_size)
     else:
-        kwargs["store"] = _tcp_store(master_addr, port, rank, world_size, timeout_s)
+        kwargs["store"] = _tcp_store(setup.master_addr, setup.port, rank, world_size, timeout_s)
     with release.recording_sockets():
         # torch's own function: `dist.init_process_group` is the cells' wrapper (pasted_code)
         distributed_c10d.init_process_group(

@@ -75,15 +75,10 @@ def watch_new_groups() -> None:
     from torch.distributed import distributed_c10d
 
     create = distributed_c10d._new_process_group_helper
-    if hasattr(create, "__nbdist_original__"):
-        return
-
-    def recorded(*args: object, **kwargs: object) -> object:
-        with recording_sockets():
-            return create(*args, **kwargs)
-
-    recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
-    distributed_c10d._new_process_group_helper = recorded
+    if not hasattr(create, "__nbdist_original__"):
+        recorded = recording_sockets()(create)  # a fresh context per call (ContextDecorator)
+        recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
+        distributed_c10d._new_process_group_helper = recorded
 
 
 def forget_group_sockets() -> None:
