@@ -32,8 +32,6 @@ from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
 @dataclass
 class RankRuntime:
     setup: RankSetup | None = None  # the current generation's
-    # gloo only: NCCL's record completes when its watchdog looks, nothing to wait for
-    cell_end_collective_wait: float = 0.0
     agent: TelemetryAgent | None = None
 
 
@@ -127,8 +125,6 @@ def setup_rank(setup: RankSetup) -> RankReady:
     RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
     install_breakpoint_hook(RUNTIME.agent)
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
-    if spec.backend == "gloo":
-        RUNTIME.cell_end_collective_wait = config.faults.cell_end_collective_wait
     process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
     apply_memory_limit(config.start.memory_limit, device)
@@ -237,7 +233,10 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
     tracer = sys.gettrace()
     sys.settrace(None)
     try:
-        flight_recorder.wait_for_in_flight(RUNTIME.cell_end_collective_wait)
+        setup = RUNTIME.setup
+        # gloo only: NCCL's record completes when its watchdog looks, nothing to wait for
+        if setup is not None and setup.spec.backend == "gloo":
+            flight_recorder.wait_for_in_flight(setup.config.faults.cell_end_collective_wait)
         collectives.TRACKER.cell_failed(getattr(result, "error_in_exec", None))
         profiling.cell_finished()
         if RUNTIME.agent is not None:

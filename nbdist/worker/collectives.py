@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.worker import flight_recorder, process_group
 from nbdist.worker.metrics import TIMING
 
 COLLECTIVES = (
@@ -134,8 +135,6 @@ class CollectiveTracker:
         import torch
         import torch.distributed as dist
 
-        from nbdist.worker import process_group
-
         if self._generation != process_group.GENERATION_STARTED:  # a new group counts from 1
             self._generation = process_group.GENERATION_STARTED
             self.history.clear()
@@ -156,11 +155,9 @@ class CollectiveTracker:
         self.history.append(entry)
         return entry
 
-    def entries(self) -> list[Any]:
+    def entries(self) -> list[flight_recorder.EnteredCollective]:
         """The collectives this rank's main thread called in the current group, oldest first."""
-        from nbdist.worker.flight_recorder import EnteredCollective
-
-        return [EnteredCollective(**e) for e in self.history]
+        return [flight_recorder.EnteredCollective(**e) for e in self.history]
 
     def blocked_since(self) -> float | None:
         """When the main thread entered the collective it is in now (time.time()), or None."""
@@ -212,8 +209,6 @@ def _profile_range(name: str, group: Any) -> Any:
 def _release_broken_group(exc: BaseException) -> None:
     """Close a broken group now so peers blocked on this rank fail at once too. torch's frames in
     the traceback hold the Work (and the group's sockets) alive: their locals are cleared first."""
-    from nbdist.worker import process_group
-
     tb = exc.__traceback__
     while tb is not None:
         if tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
@@ -239,8 +234,6 @@ def is_transport_failure(exc: BaseException | None) -> bool:
 
 def _recorded_name() -> str:
     """The collective torch's flight recorder saw this rank enter last, or "" without one."""
-    from nbdist.worker import flight_recorder
-
     try:
         found = flight_recorder.entries() if flight_recorder.available() else []
     except Exception:  # the group is half torn down: the caller's own guess stands

@@ -60,10 +60,8 @@ def _dump(with_entries: bool, stacks: bool = False) -> dict[str, Any]:
 
 def progress() -> dict[str, tuple[int, int]]:
     """Group name -> (last collective entered, last completed): cheap, no entries."""
-    status = _dump(False).get("pg_status") or {}
-    return {str(name): (int(s.get("last_enqueued_collective", -1)),
-                        int(s.get("last_completed_collective", -1)))
-            for name, s in status.items()}
+    return {name: (s["last_enqueued_collective"], s["last_completed_collective"])
+            for name, s in _dump(False)["pg_status"].items()}
 
 
 def wait_for_in_flight(seconds: float) -> None:
@@ -90,19 +88,16 @@ def entries() -> list[EnteredCollective]:
     names = _group_names()
     since_ns = process_group.GENERATION_STARTED * 1e9
     found = []
-    for e in _dump(True).get("entries") or []:
-        if e.get("is_p2p") or int(e.get("time_created_ns") or 0) < since_ns:
+    for e in _dump(True)["entries"]:
+        if e["is_p2p"] or e["time_created_ns"] < since_ns:
             continue
-        name, desc = (tuple(e.get("process_group") or ("", "")) + ("", ""))[:2]
-        label, ranks = names.get(str(name), (_label(str(name), str(desc), ()), ()))
+        name, desc = e["process_group"]
+        label, ranks = names.get(name, (_label(name, desc, ()), ()))
         found.append(EnteredCollective(
-            group=label, seq=int(e.get("collective_seq_id", 0)),
-            op=str(e.get("profiling_name", "")).split(":")[-1],
-            sizes=tuple(tuple(int(d) for d in s) for s in e.get("input_sizes") or ()),
-            dtypes=tuple(str(d) for d in e.get("input_dtypes") or ()),
-            completed=bool(e.get("retired")) or e.get("state") == "completed",
-            since=int(e.get("time_created_ns") or 0) / 1e9, ranks=ranks,
-        ))
+            group=label, seq=e["collective_seq_id"], op=e["profiling_name"].split(":")[-1],
+            sizes=tuple(map(tuple, e["input_sizes"])), dtypes=tuple(e["input_dtypes"]),
+            completed=e["retired"] or e["state"] == "completed",
+            since=e["time_created_ns"] / 1e9, ranks=ranks))
     return found
 
 
