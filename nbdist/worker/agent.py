@@ -114,6 +114,7 @@ class TelemetryAgent:
         return payload
 
     def _loop(self) -> None:
+        """Each when due: ticks, a cell's start payload, log() batches, reports while blocked."""
         next_tick = time.monotonic() + self.interval
         while not self._stop.is_set():
             start = self._start
@@ -135,27 +136,18 @@ class TelemetryAgent:
                 next_tick = now + self.interval
                 if self.cell_running:
                     self.publish_now("tick")
-            elif woken:
-                self._publish_logged(now)
-            else:
-                self._report_if_blocked(now)
-
-    def _publish_logged(self, now: float) -> None:
-        """What log() asked for, once log_spacing has passed since the last publish (cell_started's
-        wake too: nothing is sent when no records wait)."""
-        delay = self._last_publish + self.log_spacing - now
-        if delay > 0 and self._stop.wait(delay):
-            return
-        self.wake.clear()
-        if self.cell_running:
-            self.publish_now("log", only=LOG_KEYS)
-        # a wake outside a cell (nothing is sent) still counts, so it cannot spin
-        self._last_publish = max(self._last_publish, time.monotonic())
-
-    def _report_if_blocked(self, now: float) -> None:
-        """Between ticks: a light "where" payload while the rank waits inside a collective."""
-        since = self.blocked_since() if self.cell_running and self.blocked_since else None
-        interval = self.collective_interval
-        if (since is not None and time.time() - since >= interval
-                and now - self._last_publish >= interval):
-            self.publish_now("collective", only=("where",))
+            elif woken:  # log(): a fast loop sends a batch per log_spacing, not a message per step
+                delay = self._last_publish + self.log_spacing - now
+                if delay > 0 and self._stop.wait(delay):
+                    break
+                self.wake.clear()
+                if self.cell_running:  # cell_started's wake too: sends nothing when none waits
+                    self.publish_now("log", only=LOG_KEYS)
+                # a wake outside a cell (nothing is sent) still counts, so it cannot spin
+                self._last_publish = max(self._last_publish, time.monotonic())
+            else:  # a light "where" payload while the rank waits inside a collective
+                since = self.blocked_since() if self.cell_running and self.blocked_since else None
+                interval = self.collective_interval
+                if (since is not None and time.time() - since >= interval
+                        and now - self._last_publish >= interval):
+                    self.publish_now("collective", only=("where",))
