@@ -157,7 +157,7 @@ class Watcher:
                     self._latest = latest(entries())
                     self._read_at = now
                 return list(self._latest) if now == self._read_at else []
-        except Exception:  # a torch without the dump, or a group torn down under it
+        except Exception:  # a group torn down under the dump
             return None
 
 
@@ -169,7 +169,7 @@ def analyser_trace(stacks: bool = True) -> bytes:
     (one file per rank); gloo leaves the groups' ranks out of it, so they are filled in here."""
     torch_support.require("flight-recorder")
     trace = _dump(True, stacks)
-    config = dict(trace.get("pg_config") or {})
+    config = dict(trace["pg_config"])
     config.pop("", None)
     for name, (label, ranks) in _group_names().items():
         config.setdefault(name, {"name": name, "desc": label, "ranks": str(list(ranks))})
