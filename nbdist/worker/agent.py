@@ -1,7 +1,5 @@
-"""The rank's telemetry thread: it publishes what its providers report (``"memory"``,
-``"metrics"``, ``"where"``...) as a ``data_message`` under ``"nbdist"``, attributed to the running
-cell; a provider returns something picklable or None (nothing new), and one that raises is skipped.
-"""
+"""The rank's telemetry thread: what its providers report (``"memory"``, ``"where"``...; None:
+nothing new) goes out as a ``data_message`` under ``"nbdist"``, attributed to the running cell."""
 
 from __future__ import annotations
 
@@ -18,40 +16,32 @@ Provider = Callable[[], Any]
 
 TELEMETRY_KEY = "nbdist"
 
+# the least spacing of payloads prompted by log(): a fast loop's records go out in batches
 LOG_SPACING = InternalConfig.telemetry_log_spacing
-"""The least spacing of publishes prompted by ``log()``: a fast loop's records go out in batches."""
 
-LOG_KEYS = ("metrics", "timing")
-"""What a light payload, prompted by ``log()`` or an optimizer step, carries."""
+LOG_KEYS = ("metrics", "timing")  # what a light payload, prompted by log() or a step, carries
 
 
 class TelemetryAgent:
-    def __init__(
-        self,
-        rank: int,
-        interval: float,
-        publish: Callable[[dict[str, Any]], None],
-        log_spacing: float = LOG_SPACING,
-        start_delay: float = InternalConfig.telemetry_start_delay,
-        collective_interval: float = TelemetryConfig.collective_report_interval,
-    ) -> None:
+    def __init__(self, rank: int, interval: float, publish: Callable[[dict[str, Any]], None],
+                 log_spacing: float = LOG_SPACING,
+                 start_delay: float = InternalConfig.telemetry_start_delay,
+                 collective_interval: float = TelemetryConfig.collective_report_interval) -> None:
         self.rank = rank
         self.interval = interval
         self.log_spacing = min(log_spacing, interval)
         self.start_delay = start_delay
         self.collective_interval = collective_interval
+        # when the main thread entered the collective it waits in, or None; while it waits,
+        # "where" goes out every `collective_interval`, so the notebook soon knows
         self.blocked_since: Callable[[], float | None] | None = None
-        """When the main thread entered the collective it waits in (time.time()), or None; while
-        it waits, "where" goes out every `collective_interval`, so the notebook soon knows."""
         self._publish = publish
         self._providers: dict[str, Provider] = {}
-        self._publish_lock = threading.Lock()
+        self._publish_lock = threading.RLock()
         self._stop = threading.Event()
-        self.wake = threading.Event()
-        """Set by ``log()`` and optimizer steps: the records go out after ``log_spacing``."""
+        self.wake = threading.Event()  # set by log() and optimizer steps
         self._last_publish = 0.0
-        self._start_payload: dict[str, Any] | None = None
-        self._start_due: float | None = None
+        self._start: tuple[float, dict[str, Any] | None] | None = None  # (due, payload)
         self._thread: threading.Thread | None = None
         self.cell_running = False
         self.cell_id = 0
@@ -81,13 +71,12 @@ class TelemetryAgent:
         # still runs start_delay later: a short cell costs one message, its cell_end payload
         payload = self.collect("cell_start", only=("memory",))
         with self._publish_lock:
-            self._start_payload = payload
-            self._start_due = time.monotonic() + self.start_delay
+            self._start = (time.monotonic() + self.start_delay, payload)
         self.wake.set()
 
     def cell_finished(self) -> None:
         with self._publish_lock:
-            self._start_payload = self._start_due = None
+            self._start = None
         self.cell_running = False
         self.publish_now("cell_end")
 
@@ -98,16 +87,12 @@ class TelemetryAgent:
         with self._publish_lock:
             payload = self.collect(reason, only)
             if payload is not None:
-                self._send(payload)
+                self.send(payload)
 
     def send(self, payload: dict[str, Any]) -> None:
-        """Publish a payload no provider made (a breakpoint's prompt), from any thread."""
-        with self._publish_lock:
-            self._send(payload)
-
-    def _send(self, payload: dict[str, Any]) -> None:
-        self._last_publish = time.monotonic()
-        with contextlib.suppress(Exception):  # the notebook link is gone or closing
+        """Publish a payload (one no provider made: a breakpoint's prompt), from any thread."""
+        with self._publish_lock, contextlib.suppress(Exception):  # the notebook link is gone
+            self._last_publish = time.monotonic()
             self._publish({TELEMETRY_KEY: payload})
 
     def collect(self, reason: str, only: tuple[str, ...] | None = None) -> dict[str, Any] | None:
@@ -129,47 +114,40 @@ class TelemetryAgent:
         return payload
 
     def _loop(self) -> None:
+        """Each when due: ticks, a cell's start payload, log() batches, reports while blocked."""
         next_tick = time.monotonic() + self.interval
         while not self._stop.is_set():
-            due = min(next_tick, self._start_due or math.inf)
+            start = self._start
+            due = min(next_tick, start[0] if start else math.inf)
             if self.cell_running and self.blocked_since is not None:
                 due = min(due, time.monotonic() + self.collective_interval)
             woken = self.wake.wait(max(0.0, due - time.monotonic()))
             if self._stop.is_set():
                 break
             now = time.monotonic()
-            if now >= (self._start_due or math.inf):
-                with self._publish_lock:  # a cell_finished meanwhile dropped it
-                    payload, self._start_payload, self._start_due = self._start_payload, None, None
-                    if payload is not None:
-                        self._send(payload)
+            with self._publish_lock:  # under the lock: a cell_finished meanwhile dropped it
+                start = self._start
+                if start and now >= start[0]:
+                    self._start = None
+                    if start[1] is not None:
+                        self.send(start[1])
             if now >= next_tick:
                 self.wake.clear()
                 next_tick = now + self.interval
                 if self.cell_running:
                     self.publish_now("tick")
-            elif woken:
-                self._publish_logged(now)
-            else:
-                self._report_if_blocked(now)
-
-    def _publish_logged(self, now: float) -> None:
-        """What log() asked for, once log_spacing has passed since the last publish: a fast loop
-        sends one batch rather than one message per step. cell_started's wake goes this way too,
-        and sends nothing when no records wait."""
-        delay = self._last_publish + self.log_spacing - now
-        if delay > 0 and self._stop.wait(delay):
-            return
-        self.wake.clear()
-        if self.cell_running:
-            self.publish_now("log", only=LOG_KEYS)
-        # a wake outside a cell (nothing is sent) still counts, so it cannot spin
-        self._last_publish = max(self._last_publish, time.monotonic())
-
-    def _report_if_blocked(self, now: float) -> None:
-        """Between ticks: a light "where" payload while the rank waits inside a collective."""
-        since = self.blocked_since() if self.cell_running and self.blocked_since else None
-        if since is None or time.time() - since < self.collective_interval:
-            return
-        if now - self._last_publish >= self.collective_interval:
-            self.publish_now("collective", only=("where",))
+            elif woken:  # log(): a fast loop sends a batch per log_spacing, not a message per step
+                delay = self._last_publish + self.log_spacing - now
+                if delay > 0 and self._stop.wait(delay):
+                    break
+                self.wake.clear()
+                if self.cell_running:  # cell_started's wake too: sends nothing when none waits
+                    self.publish_now("log", only=LOG_KEYS)
+                # a wake outside a cell (nothing is sent) still counts, so it cannot spin
+                self._last_publish = max(self._last_publish, time.monotonic())
+            else:  # a light "where" payload while the rank waits inside a collective
+                since = self.blocked_since() if self.cell_running and self.blocked_since else None
+                interval = self.collective_interval
+                if (since is not None and time.time() - since >= interval
+                        and now - self._last_publish >= interval):
+                    self.publish_now("collective", only=("where",))

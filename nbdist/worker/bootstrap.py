@@ -1,6 +1,5 @@
-"""Functions the notebook sends to engines through ipyparallel's apply (plain data in and out):
-probe, set a rank up, tear down or rebuild its group, reports. State between calls: `RUNTIME`.
-A rank looks like a torchrun worker to the libraries it runs, not like an interactive session."""
+"""What the notebook calls on a rank: probe, set-up, group teardown and rebuild, reports. A rank
+looks like a torchrun worker to the libraries it runs, not like an interactive session."""
 
 from __future__ import annotations
 
@@ -9,10 +8,9 @@ import socket
 import sys
 import types
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from nbdist import torch_support
 from nbdist.worker import (
     collectives,
     flight_recorder,
@@ -33,29 +31,25 @@ from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
 
 @dataclass
 class RankRuntime:
-    spec: RankSpec | None = None
-    pg_timeout: float = 60.0
-    cell_end_collective_wait: float = 0.0
-    """Seconds this rank waits at a cell's end for collectives left in flight (gloo only)."""
+    setup: RankSetup | None = None  # the current generation's
     agent: TelemetryAgent | None = None
 
 
 RUNTIME = RankRuntime()
 
-RANK_DEVICE_VAR = "NBDIST_DEVICE"
-"""The rank's own device ("cuda:3", "cpu"), for nbdist.strategies in this process."""
+RANK_DEVICE_VAR = "NBDIST_DEVICE"  # the rank's own device, for nbdist.strategies
 
+# where gloo, NCCL and TensorPipe (torch.distributed.rpc) open their sockets
 LOCAL_SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
-"""Where gloo, NCCL and TensorPipe (torch.distributed.rpc) open their sockets."""
 
+# which task on the host this is, per launcher (Slurm, Open MPI, MPICH/Intel MPI)
 LOCAL_ID_VARS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
                  "PMI_LOCAL_RANK")
-"""Where launchers say which task on the host this is (Slurm, Open MPI, MPICH/Intel MPI)."""
 
 
 def probe(peer: str | None = None) -> dict[str, Any]:
-    """What this engine is: host, pid, GPUs, cores, and for a multi-host rendezvous its IPv4
-    addresses and the address and interface it reaches `peer` by."""
+    """What this engine is; for a multi-host rendezvous also the address and interface it reaches
+    `peer` by."""
     import psutil
     import torch
 
@@ -84,8 +78,8 @@ def probe(peer: str | None = None) -> dict[str, Any]:
 
 
 def gpu_uuids(count: int) -> list[str]:
-    """The UUIDs of the GPUs this process sees, in its index order: two engines that see the same
-    card report the same UUID, whatever CUDA_VISIBLE_DEVICES numbering each was given."""
+    """The UUIDs of this process's GPUs: two engines that see one card report the same UUID,
+    whatever CUDA_VISIBLE_DEVICES numbering each was given."""
     import torch
 
     try:
@@ -95,7 +89,6 @@ def gpu_uuids(count: int) -> list[str]:
 
 
 def launcher_local_id(environ: Mapping[str, str]) -> int | None:
-    """This task's number among the launcher's tasks on this host, if a launcher says."""
     values = (environ.get(name, "").strip() for name in LOCAL_ID_VARS)
     return next((int(value) for value in values if value.isdigit()), None)
 
@@ -103,10 +96,11 @@ def launcher_local_id(environ: Mapping[str, str]) -> int | None:
 def setup_rank(setup: RankSetup) -> RankReady:
     """Environment, threads, device, notebook names, hooks, telemetry, then the process group."""
     import torch
+    import torch.distributed as dist
     from IPython import get_ipython
 
     spec, config = setup.spec, setup.config
-    RUNTIME.spec = spec
+    RUNTIME.setup = setup
     os.environ.update(spec.env(setup.master_addr, setup.port))
     os.environ["OMP_NUM_THREADS"] = str(setup.threads)
     torch.set_num_threads(setup.threads)
@@ -117,8 +111,13 @@ def setup_rank(setup: RankSetup) -> RankReady:
     notes = process_group.apply_environment(setup)
     _present_as_torchrun_worker(spec)
     device = _pin_device(setup)
+    collectives.install()
+    release.watch_new_groups()  # a sub-group's collective is released like the world's
     shell = get_ipython()
-    _define_names(shell, spec, device)
+    pasted_code.install(spec.rank, spec.world_size, shell)  # init_process_group, mp.spawn, ...
+    shell.user_ns.update(
+        rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank, device=device,
+        gpus=[torch.device("cuda", index) for index in spec.gpus], dist=dist, torch=torch)
     for event, hook in (("pre_run_cell", _pre_run_cell), ("post_run_cell", _post_run_cell)):
         if hook not in shell.events.callbacks[event]:
             shell.events.register(event, hook)
@@ -126,10 +125,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
     RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
     install_breakpoint_hook(RUNTIME.agent)
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
-    RUNTIME.pg_timeout = setup.process_group_timeout
-    if spec.backend == "gloo":  # NCCL's record completes when its watchdog looks: no wait
-        RUNTIME.cell_end_collective_wait = config.faults.cell_end_collective_wait
-    _join_generation(setup.generation, setup.master_addr, setup.port, setup.store_path)
+    process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
     apply_memory_limit(config.start.memory_limit, device)
     return RankReady(device=str(device), threads=setup.threads, endpoint=endpoint,
@@ -137,9 +133,9 @@ def setup_rank(setup: RankSetup) -> RankReady:
 
 
 def _present_as_torchrun_worker(spec: RankSpec) -> None:
-    """No prompts (IPython's `sys.ps1` means "a person types here": Lightning then refuses its
-    multi-process strategies), torchrun's environment, an argv without the engine's options (a
-    pasted `parse_args()` sees a script started without arguments), and tqdm's console bar."""
+    """No prompts (IPython's `sys.ps1` makes Lightning refuse its multi-process strategies),
+    torchrun's environment, no engine options in argv (a pasted `parse_args()`), tqdm's console
+    bar."""
     for name in ("ps1", "ps2", "ps3"):
         if hasattr(sys, name):
             delattr(sys, name)
@@ -170,13 +166,10 @@ def _pin_device(setup: RankSetup) -> Any:
     """This rank's device (its first GPU, else the CPU) and the interface its sockets use."""
     import torch
 
-    gpus = setup.spec.gpus
-    if gpus:
-        torch.cuda.set_device(gpus[0])
-        device = torch.device("cuda", gpus[0])
-    else:
-        device = torch.device("cpu")
-        # DeepSpeed would see the host's GPUs and set_device(LOCAL_RANK): invalid on a CPU rank
+    device = torch.device(setup.spec.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    else:  # DeepSpeed would see the host's GPUs and set_device(LOCAL_RANK): invalid on a CPU rank
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
     # nbdist.prepare() computes here too: a CPU rank on a GPU host must not land on cuda:0
     os.environ[RANK_DEVICE_VAR] = str(device)
@@ -188,19 +181,6 @@ def _pin_device(setup: RankSetup) -> Any:
     if setup.interface:  # multi-host: the interface that reaches the other ranks, on every rank
         os.environ.update(dict.fromkeys(LOCAL_SOCKET_IFNAME_VARS, setup.interface))
     return device
-
-
-def _define_names(shell: Any, spec: RankSpec, device: Any) -> None:
-    """The wrappers pasted code needs, and the names every distributed cell can use."""
-    import torch
-    import torch.distributed as dist
-
-    collectives.install()
-    release.watch_new_groups()  # a sub-group's collective is released like the world's
-    pasted_code.install(spec.rank, spec.world_size, shell)  # init_process_group, mp.spawn, ...
-    shell.user_ns.update(
-        rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank, device=device,
-        gpus=[torch.device("cuda", index) for index in spec.gpus], dist=dist, torch=torch)
 
 
 def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> TelemetryAgent:
@@ -222,16 +202,6 @@ def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> Telemet
     return agent
 
 
-def _join_generation(generation: int, master_addr: str, port: int,
-                     store_path: str | None) -> None:
-    spec = RUNTIME.spec
-    assert spec is not None, "setup_rank first"
-    process_group.init_generation(
-        backend=spec.backend, master_addr=master_addr, port=port, rank=spec.rank,
-        world_size=spec.world_size, timeout_s=RUNTIME.pg_timeout, gpus=list(spec.gpus),
-        store_path=store_path)
-
-
 def _where() -> dict[str, Any] | None:
     agent = RUNTIME.agent
     if agent is None or not agent.cell_running:
@@ -240,8 +210,8 @@ def _where() -> dict[str, Any] | None:
 
 
 def _report_where() -> None:
-    """release.REPORT_SIGNAL, on the release thread (a main thread blocked in a collective still
-    answers), with the flight recorder read now rather than once the groups' progress settled."""
+    """REPORT_SIGNAL, on the release thread (a main thread blocked in a collective still answers),
+    with the flight recorder read now rather than once the groups' progress settled."""
     agent = RUNTIME.agent
     if agent is not None and agent.cell_running:
         flight_recorder.WATCHER.sample(fresh=True)
@@ -263,10 +233,11 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
     tracer = sys.gettrace()
     sys.settrace(None)
     try:
-        flight_recorder.wait_for_in_flight(RUNTIME.cell_end_collective_wait)
-        error = getattr(result, "error_in_exec", None)
-        if collectives.TRACKER.failed_in is None and collectives.is_transport_failure(error):
-            collectives.record_implicit_failure(collectives.TRACKER, error)
+        setup = RUNTIME.setup
+        # gloo only: NCCL's record completes when its watchdog looks, nothing to wait for
+        if setup is not None and setup.spec.backend == "gloo":
+            flight_recorder.wait_for_in_flight(setup.config.faults.cell_end_collective_wait)
+        collectives.TRACKER.cell_failed(getattr(result, "error_in_exec", None))
         profiling.cell_finished()
         if RUNTIME.agent is not None:
             RUNTIME.agent.cell_finished()
@@ -278,19 +249,21 @@ def rebuild_process_group(port: int, generation: int, master_addr: str,
                           store_path: str | None = None) -> None:
     """Join a new generation on a fresh port, outside the rank's --memory-limit: its new threads
     must start even when a cell filled the budget."""
+    assert RUNTIME.setup is not None, "setup_rank first"
+    RUNTIME.setup = replace(RUNTIME.setup, port=port, generation=generation,
+                            master_addr=master_addr, store_path=store_path)
     with lifted():
         process_group.teardown()
-        _join_generation(generation, master_addr, port, store_path)
+        process_group.init_generation(RUNTIME.setup)
 
 
-def teardown_process_group() -> bool:
-    """Close this rank's group so peers blocked on it fail now instead of at the timeout."""
-    return process_group.teardown()
+# closes this rank's group so peers blocked on it fail now instead of at the timeout
+teardown_process_group = process_group.teardown
 
 
 def cell_report() -> dict[str, Any]:
-    """After a cell: the collective the rank failed in (if any), the count, the group's state
-    and, from the flight recorder, per group the collective the rank last entered."""
+    """After a cell: the collective the rank failed in, the count, the group's state and, from
+    the flight recorder, per group the collective the rank last entered."""
     tracker = collectives.TRACKER
     failed = tracker.failed_in
     return {
@@ -311,10 +284,7 @@ def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective]:
     return collectives.TRACKER.entries()[-limit:]
 
 
-def collectives_trace(stacks: bool) -> bytes:
-    """This rank's flight-recorder trace, as torch's analyser reads it."""
-    torch_support.require("flight-recorder")
-    return flight_recorder.analyser_trace(stacks)
+collectives_trace = flight_recorder.analyser_trace  # the rank's trace for torch's analyser
 
 
 def shutdown_rank() -> None:

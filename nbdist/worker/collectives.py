@@ -1,7 +1,6 @@
 """What torch's flight recorder cannot say about a rank's collectives: whether its main thread
-waits in one now, where in the cell it called it, and the group it broke when one failed. The
-wrapper around the public collectives also times each call for the straggler view and, while a
-profile runs, makes it a named range the notebook matches across ranks."""
+waits in one now, where in the cell it called it, the group it broke. The wrapper around the public
+collectives also times each call (straggler view) and names it in a running profile."""
 
 from __future__ import annotations
 
@@ -12,11 +11,13 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.worker import flight_recorder, process_group
 from nbdist.worker.metrics import TIMING
 
 COLLECTIVES = (
@@ -27,11 +28,6 @@ COLLECTIVES = (
 )
 
 HISTORY = 64  # collectives a rank keeps for %dist_status --collectives without a flight recorder
-
-_DTYPES = {"torch.float32": "Float", "torch.float64": "Double", "torch.float16": "Half",
-           "torch.bfloat16": "BFloat16", "torch.int64": "Long", "torch.int32": "Int",
-           "torch.int16": "Short", "torch.int8": "Char", "torch.uint8": "Byte",
-           "torch.bool": "Bool"}  # the flight recorder's names for them
 
 PROFILE_PREFIX = "nbdist.collective:"  # a profiled call's range: "<prefix><name>|<group name>"
 
@@ -51,30 +47,26 @@ def describe_location(filename: str, lineno: int) -> str:
 
 def user_location(frame: Any) -> str:
     """The innermost frame outside torch and nbdist (the user's code), described briefly."""
-    first = frame
-    while frame is not None:
-        filename = frame.f_code.co_filename
-        if not (_TORCH_DIR and filename.startswith(_TORCH_DIR) or filename.startswith("<frozen")
-                or f"{os.sep}nbdist{os.sep}" in filename):
-            return describe_location(filename, frame.f_lineno)
-        frame = frame.f_back
-    return describe_location(first.f_code.co_filename, first.f_lineno)
+    for outer, lineno in traceback.walk_stack(frame):
+        filename = outer.f_code.co_filename
+        if (not filename.startswith((_TORCH_DIR, "<frozen"))
+                and f"{os.sep}nbdist{os.sep}" not in filename):
+            return describe_location(filename, lineno)
+    return describe_location(frame.f_code.co_filename, frame.f_lineno)
 
 
 @dataclass
 class CollectiveCall:
     name: str
-    location: str
-    """The user-level frame of the call (``cell line 3``): what the flight recorder cannot say."""
+    location: str  # the user-level frame of the call ("cell line 3")
     since: float
 
 
 def _position(fn: Any, name: str) -> int | None:
     try:
-        params = list(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
+        return list(inspect.signature(fn).parameters).index(name)
+    except (TypeError, ValueError):  # no signature, or no such parameter
         return None
-    return params.index(name) if name in params else None
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None) -> Any:
@@ -102,23 +94,22 @@ class CollectiveTracker:
         # a collective of this cell left the group unusable (a peer went away, or it was
         # interrupted midway); one that merely rejected its arguments breaks nothing
         self.group_broken = False
-        self._depth = 0
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         group_at, async_at = _position(fn, "group"), _position(fn, "async_op")
 
         @functools.wraps(fn)
         def tracked(*args: Any, **kwargs: Any) -> Any:
-            if threading.get_ident() != self.main_thread_id or self._depth:
+            if threading.get_ident() != self.main_thread_id or self.current is not None:
                 return fn(*args, **kwargs)  # nested (all_gather_object -> all_gather) or a thread
             group = _argument(args, kwargs, "group", group_at)
             self.count += 1
             self.current = call = CollectiveCall(name, user_location(sys._getframe(1)), time.time())
-            self._depth += 1
             entry = self._remember(name, group, args, call.since)
             ticket = TIMING.before(name, group, _argument(args, kwargs, "async_op", async_at))
             try:
-                result = self._profiled(name, group, fn, args, kwargs)
+                with _profile_range(name, group) if self.profiling else contextlib.nullcontext():
+                    result = fn(*args, **kwargs)
                 entry["completed"] = True
                 if ticket is not None:
                     TIMING.after(ticket, name)
@@ -132,7 +123,6 @@ class CollectiveTracker:
                     _release_broken_group(exc)
                 raise
             finally:
-                self._depth -= 1
                 self.current = None
 
         tracked.__nbdist_original__ = fn  # type: ignore[attr-defined]
@@ -140,12 +130,10 @@ class CollectiveTracker:
 
     def _remember(self, name: str, group: Any, args: tuple[Any, ...],
                   since: float) -> dict[str, Any]:
-        """Note the call as the flight recorder would (its group's sequence id, input sizes):
-        what `entries` shows where torch's recorder cannot be read."""
+        """Note the call as the flight recorder would (group, sequence id, input sizes), for
+        `entries` where torch's recorder cannot be read."""
         import torch
         import torch.distributed as dist
-
-        from nbdist.worker import process_group
 
         if self._generation != process_group.GENERATION_STARTED:  # a new group counts from 1
             self._generation = process_group.GENERATION_STARTED
@@ -161,26 +149,15 @@ class CollectiveTracker:
             for t in a if isinstance(t, torch.Tensor)]
         entry = {"group": label, "seq": seq, "op": name, "since": since, "completed": False,
                  "sizes": tuple(tuple(t.shape) for t in tensors),
-                 "dtypes": tuple(_DTYPES.get(str(t.dtype), str(t.dtype)) for t in tensors)}
+                 # the recorder's (c10's) dtype names: "torch.FloatTensor" -> "Float"
+                 "dtypes": tuple(t.type().rsplit(".", 1)[-1].removesuffix("Tensor")
+                                 for t in tensors)}
         self.history.append(entry)
         return entry
 
-    def entries(self) -> list[Any]:
+    def entries(self) -> list[flight_recorder.EnteredCollective]:
         """The collectives this rank's main thread called in the current group, oldest first."""
-        from nbdist.worker.flight_recorder import EnteredCollective
-
-        return [EnteredCollective(**e) for e in self.history]
-
-    def _profiled(self, name: str, group: Any, fn: Callable[..., Any], args: tuple[Any, ...],
-                  kwargs: dict[str, Any]) -> Any:
-        if not self.profiling:
-            return fn(*args, **kwargs)
-        import torch
-        import torch.distributed as dist
-
-        group_name = getattr(dist.group.WORLD if group is None else group, "group_name", "")
-        with torch.profiler.record_function(f"{PROFILE_PREFIX}{name}|{group_name or '?'}"):
-            return fn(*args, **kwargs)
+        return [flight_recorder.EnteredCollective(**e) for e in self.history]
 
     def blocked_since(self) -> float | None:
         """When the main thread entered the collective it is in now (time.time()), or None."""
@@ -197,15 +174,44 @@ class CollectiveTracker:
             "stack": main_thread_stack(self.main_thread_id),
         }
 
+    def cell_failed(self, exc: BaseException | None) -> None:
+        """A collective torch ran by itself (DDP's all-reduce in backward, FSDP's gathers) failed
+        the cell: record where, as the wrapper does, and release the broken group."""
+        if self.failed_in is not None or not is_transport_failure(exc):
+            return
+        cell_line, in_backward = "?", False
+        tb = exc.__traceback__
+        while tb is not None:
+            code = tb.tb_frame.f_code
+            if is_cell_file(code.co_filename):
+                cell_line = describe_location(code.co_filename, tb.tb_lineno)
+            in_backward = in_backward or code.co_name in ("backward", "_engine_run_backward")
+            tb = tb.tb_next
+        recorded = _recorded_name()
+        if recorded:
+            name = f"{recorded} (gradients in backward())" if in_backward else recorded
+        else:
+            name = ("gradient all-reduce in backward()" if in_backward
+                    else "a collective inside torch")
+        self.failed_in = CollectiveCall(name, cell_line, time.time())
+        self.group_broken = True
+        _release_broken_group(exc)
+
+
+def _profile_range(name: str, group: Any) -> Any:
+    import torch
+    import torch.distributed as dist
+
+    group_name = getattr(dist.group.WORLD if group is None else group, "group_name", "")
+    return torch.profiler.record_function(f"{PROFILE_PREFIX}{name}|{group_name or '?'}")
+
 
 def _release_broken_group(exc: BaseException) -> None:
     """Close a broken group now so peers blocked on this rank fail at once too. torch's frames in
     the traceback hold the Work (and the group's sockets) alive: their locals are cleared first."""
-    from nbdist.worker import process_group
-
     tb = exc.__traceback__
     while tb is not None:
-        if _TORCH_DIR and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
+        if tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
             with contextlib.suppress(RuntimeError):  # a frame still executing keeps its locals
                 tb.tb_frame.clear()
         tb = tb.tb_next
@@ -226,31 +232,8 @@ def is_transport_failure(exc: BaseException | None) -> bool:
         mark in str(exc) for mark in _TRANSPORT_MARKS)
 
 
-def record_implicit_failure(tracker: CollectiveTracker, exc: BaseException) -> None:
-    """A collective torch ran by itself (DDP's all-reduce in backward, FSDP's gathers) failed:
-    record where, as the wrapper does, and close the broken group so blocked peers fail too."""
-    cell_line, in_backward = "?", False
-    tb = exc.__traceback__
-    while tb is not None:
-        code = tb.tb_frame.f_code
-        if is_cell_file(code.co_filename):
-            cell_line = describe_location(code.co_filename, tb.tb_lineno)
-        in_backward = in_backward or code.co_name in ("backward", "_engine_run_backward")
-        tb = tb.tb_next
-    recorded = _recorded_name()
-    if recorded:
-        name = f"{recorded} (gradients in backward())" if in_backward else recorded
-    else:
-        name = "gradient all-reduce in backward()" if in_backward else "a collective inside torch"
-    tracker.failed_in = CollectiveCall(name, cell_line, time.time())
-    tracker.group_broken = True
-    _release_broken_group(exc)
-
-
 def _recorded_name() -> str:
     """The collective torch's flight recorder saw this rank enter last, or "" without one."""
-    from nbdist.worker import flight_recorder
-
     try:
         found = flight_recorder.entries() if flight_recorder.available() else []
     except Exception:  # the group is half torn down: the caller's own guess stands
@@ -261,14 +244,12 @@ def _recorded_name() -> str:
 def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
     """The main thread's stack from its first cell frame on, innermost last, as short
     'file:line in func' strings; a deep library stack keeps the cell's own innermost frame."""
-    frame = sys._current_frames().get(thread_id) if thread_id is not None else None
-    lines: list[str] = []
-    while frame is not None and len(lines) < 60:
-        code = frame.f_code
-        if f"{os.sep}nbdist{os.sep}" not in code.co_filename:  # its wrappers are not the user's
-            lines.append(f"{describe_location(code.co_filename, frame.f_lineno)} in {code.co_name}")
-        frame = frame.f_back
-    lines.reverse()
+    frame = sys._current_frames().get(thread_id)
+    if frame is None:
+        return []
+    lines = [f"{describe_location(f.f_code.co_filename, lineno)} in {f.f_code.co_name}"
+             for f, lineno in traceback.walk_stack(frame)
+             if f"{os.sep}nbdist{os.sep}" not in f.f_code.co_filename][:60][::-1]  # not the user's
     cell = [i for i, line in enumerate(lines) if line.startswith("cell line")]
     if not cell:
         return lines[-limit:]
@@ -283,7 +264,7 @@ def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:
 TRACKER = CollectiveTracker()
 
 
-def install(tracker: CollectiveTracker = TRACKER) -> None:
+def install() -> None:
     global _TORCH_DIR
     import torch
     import torch.distributed as dist
@@ -292,4 +273,4 @@ def install(tracker: CollectiveTracker = TRACKER) -> None:
     for name in COLLECTIVES:
         fn = getattr(dist, name, None)
         if fn is not None and not hasattr(fn, "__nbdist_original__"):
-            setattr(dist, name, tracker.wrap(name, fn))
+            setattr(dist, name, TRACKER.wrap(name, fn))

@@ -1,7 +1,5 @@
-"""What torch's flight recorder says this rank's process groups did: the collectives each group
-entered (Python's or C++'s: DDP's reducer, FSDP2), their sequence ids, sizes, and which one is
-still in flight. Reading it pickles the whole ring buffer, so a running cell's telemetry reads it
-only once the groups' progress stops moving (a rank that waits)."""
+"""What torch's flight recorder says this rank's groups did: every collective entered (Python's or
+C++'s: DDP's reducer, FSDP2), its sequence id, sizes, and whether it is still in flight."""
 
 from __future__ import annotations
 
@@ -16,29 +14,23 @@ from typing import Any
 from nbdist import torch_support
 from nbdist.worker import process_group
 
-IN_FLIGHT_POLL = 0.005
-"""Seconds between two looks at whether the collectives a rank left in flight have finished."""
+IN_FLIGHT_POLL = 0.005  # seconds between two looks at the collectives a rank left in flight
 
 
 @dataclass(frozen=True)
 class EnteredCollective:
     """One collective one rank entered, as its flight recorder holds it."""
 
-    group: str
-    """"default group", or "group 2 (ranks 0, 1)", or a DeviceMesh's own name for its group."""
-    seq: int
-    """The group's collective sequence id (the same on every member for the same call)."""
+    group: str  # "default group", "group 2 (ranks 0, 1)", or a DeviceMesh's name for it
+    seq: int  # the group's sequence id: the same on every member for the same call
     op: str
     sizes: tuple[tuple[int, ...], ...]
     dtypes: tuple[str, ...]
     completed: bool
-    since: float
-    """When the rank entered it (time.time())."""
-    ranks: tuple[int, ...] = ()
-    """Global ranks of the group; empty when unknown."""
+    since: float  # when the rank entered it (time.time())
+    ranks: tuple[int, ...] = ()  # the group's global ranks; empty when unknown
 
     def title(self) -> str:
-        """``all_reduce #9 of the default group``."""
         return f"{self.op} #{self.seq} of the {self.group}"
 
     def nbytes(self) -> int:
@@ -54,13 +46,9 @@ _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "I
 
 
 def available() -> bool:
-    """torch records gloo's collectives too (2.8+) and the buffer is not turned off."""
-    if not torch_support.has("flight-recorder"):
-        return False
-    for name in process_group.BUFFER_VARIABLES:
-        if name in os.environ:
-            return os.environ[name].strip() not in ("", "0")
-    return True
+    """torch's recorder can be read here and its buffer is not turned off."""
+    size = next((os.environ[n] for n in process_group.BUFFER_VARIABLES if n in os.environ), "1")
+    return torch_support.has("flight-recorder") and size.strip() not in ("", "0")
 
 
 def _dump(with_entries: bool, stacks: bool = False) -> dict[str, Any]:
@@ -72,18 +60,15 @@ def _dump(with_entries: bool, stacks: bool = False) -> dict[str, Any]:
 
 def progress() -> dict[str, tuple[int, int]]:
     """Group name -> (last collective entered, last completed): cheap, no entries."""
-    status = _dump(False).get("pg_status") or {}
-    return {str(name): (int(s.get("last_enqueued_collective", -1)),
-                        int(s.get("last_completed_collective", -1)))
-            for name, s in status.items()}
+    return {name: (s["last_enqueued_collective"], s["last_completed_collective"])
+            for name, s in _dump(False)["pg_status"].items()}
 
 
 def wait_for_in_flight(seconds: float) -> None:
-    """Wait up to `seconds` while a group of this generation has a collective in flight (a torn
-    down group keeps its last counts: it is not looked at). At a cell's end on gloo, a collective
-    nothing waited for (a DTensor layer's, an ``async_op=True`` one) whose sizes differ across
-    ranks ends one rank from gloo's own thread: it must do so in the cell that ran it, not
-    between cells, where nothing reports it."""
+    """Wait up to `seconds` while a group of this generation (a torn down one keeps its last
+    counts) has a collective in flight. On gloo, a collective nothing waited for (a DTensor
+    layer's, an ``async_op=True`` one) whose sizes differ across ranks ends one rank from gloo's
+    thread: it must do so in the cell that ran it, not between cells, where nothing reports it."""
     if seconds <= 0 or not available():
         return
     deadline = time.monotonic() + seconds
@@ -94,8 +79,8 @@ def wait_for_in_flight(seconds: float) -> None:
                        if name in current):
                 return
             time.sleep(IN_FLIGHT_POLL)
-    except (KeyboardInterrupt, Exception):  # the stop button (the cell is over anyway), or a
-        return  # group torn down under the dump
+    except (KeyboardInterrupt, Exception):  # the stop button, or a group torn down under the dump
+        return
 
 
 def entries() -> list[EnteredCollective]:
@@ -103,19 +88,16 @@ def entries() -> list[EnteredCollective]:
     names = _group_names()
     since_ns = process_group.GENERATION_STARTED * 1e9
     found = []
-    for e in _dump(True).get("entries") or []:
-        if e.get("is_p2p") or int(e.get("time_created_ns") or 0) < since_ns:
+    for e in _dump(True)["entries"]:
+        if e["is_p2p"] or e["time_created_ns"] < since_ns:
             continue
-        name, desc = (tuple(e.get("process_group") or ("", "")) + ("", ""))[:2]
-        label, ranks = names.get(str(name), (_label(str(name), str(desc), ()), ()))
+        name, desc = e["process_group"]
+        label, ranks = names.get(name, (_label(name, desc, ()), ()))
         found.append(EnteredCollective(
-            group=label, seq=int(e.get("collective_seq_id", 0)),
-            op=str(e.get("profiling_name", "")).split(":")[-1],
-            sizes=tuple(tuple(int(d) for d in s) for s in e.get("input_sizes") or ()),
-            dtypes=tuple(str(d) for d in e.get("input_dtypes") or ()),
-            completed=bool(e.get("retired")) or e.get("state") == "completed",
-            since=int(e.get("time_created_ns") or 0) / 1e9, ranks=ranks,
-        ))
+            group=label, seq=e["collective_seq_id"], op=e["profiling_name"].split(":")[-1],
+            sizes=tuple(map(tuple, e["input_sizes"])), dtypes=tuple(e["input_dtypes"]),
+            completed=e["retired"] or e["state"] == "completed",
+            since=e["time_created_ns"] / 1e9, ranks=ranks))
     return found
 
 
@@ -151,9 +133,9 @@ def latest(found: list[EnteredCollective]) -> list[EnteredCollective]:
 
 
 class Watcher:
-    """Reads the recorder for the telemetry thread: the entries only once the groups' progress
-    has stayed put for one sample (a rank that waits, or one that stopped calling collectives);
-    in between, the last reading."""
+    """Reads the recorder for the telemetry thread. Reading pickles the whole ring buffer, so the
+    entries are read only once the groups' progress stayed put for one sample (a rank that waits,
+    or stopped calling collectives); in between, the last reading."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -162,8 +144,8 @@ class Watcher:
         self._latest: list[EnteredCollective] = []
 
     def sample(self, fresh: bool = False) -> list[EnteredCollective] | None:
-        """Per group the collective a rank is in or last entered (`fresh`: read now, whether
-        or not the progress settled); None when unreadable."""
+        """Per group the collective the rank is in or last entered (`fresh`: read now, settled or
+        not); None when unreadable."""
         if not available():
             return None
         try:
@@ -175,7 +157,7 @@ class Watcher:
                     self._latest = latest(entries())
                     self._read_at = now
                 return list(self._latest) if now == self._read_at else []
-        except Exception:  # a torch without the dump, or a group torn down under it
+        except Exception:  # a group torn down under the dump
             return None
 
 
@@ -185,8 +167,9 @@ WATCHER = Watcher()
 def analyser_trace(stacks: bool = True) -> bytes:
     """The rank's whole trace in the format torch.distributed.flight_recorder's analyser reads
     (one file per rank); gloo leaves the groups' ranks out of it, so they are filled in here."""
+    torch_support.require("flight-recorder")
     trace = _dump(True, stacks)
-    config = dict(trace.get("pg_config") or {})
+    config = dict(trace["pg_config"])
     config.pop("", None)
     for name, (label, ranks) in _group_names().items():
         config.setdefault(name, {"name": name, "desc": label, "ranks": str(list(ranks))})

@@ -1,6 +1,5 @@
-"""The rank's torch.distributed process group: the environment torch reads when it creates one
-(a variable the user set stays theirs, with a note), and one generation at a time, each on a fresh
-store, torn down (peers blocked on this rank fail at once) and rebuilt when the notebook says."""
+"""The rank's process group: the environment torch reads when it creates one (a variable the user
+set stays theirs, with a note), and one generation at a time, each on a fresh store."""
 
 from __future__ import annotations
 
@@ -21,31 +20,28 @@ from typing import Any
 from nbdist import ipp_compat, torch_support
 from nbdist.worker import release
 
+# so that a stuck collective is an error in the cell, not the end of the engine (docs/NCCL.md)
 NCCL_ENVIRONMENT: dict[str, str] = {
     "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # the next wait raises; torch's 3 ends the process
     "TORCH_NCCL_ENABLE_MONITORING": "0",  # the interrupt ladder decides when an engine dies
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the flight recorder's dump on a timeout or error
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",  # the cell sees the error 4 times this later
 }
-"""What an NCCL rank runs with, so that a stuck collective is an error in the cell, not the end
-of the engine (docs/NCCL.md says why, per variable)."""
 
+# the flight recorder's buffer size and dump prefix, each under its new and its older name
 BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
-"""The flight recorder's buffer size: torch reads the first one set (the second: older name)."""
-
 DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
-"""The prefix of the recorder's dump (torch's default in /tmp is readable by anyone)."""
 
+# some torch releases crash building a DDP model under TORCH_DISTRIBUTED_DEBUG=DETAIL
 DDP_PROBE = """
 import torch, torch.distributed as dist
 dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
 """
-"""Some torch releases crash building a DDP model under TORCH_DISTRIBUTED_DEBUG=DETAIL."""
 
 
 def apply_environment(setup: Any) -> list[str]:
-    """Set this rank's group environment (a `RankSetup`); the notes the user should see."""
+    """Set this rank's group environment; returns the notes the user should see."""
     faults = setup.config.faults
     nccl, notes = nccl_environment(os.environ) if setup.spec.backend == "nccl" else ({}, [])
     buffer, buffer_notes = _user_wins(
@@ -57,8 +53,8 @@ def apply_environment(setup: Any) -> list[str]:
 
 def _user_wins(wanted: Mapping[tuple[str, ...], str], current: Mapping[str, str],
                doc: str) -> tuple[dict[str, str], list[str]]:
-    """What to set (under the first name, where the user set none of a value's names), and one
-    note per value the user set to something else."""
+    """What to set (under its first name, where the user set none of its names), and a note per
+    value the user set otherwise."""
     to_set: dict[str, str] = {}
     notes: list[str] = []
     for names, value in wanted.items():
@@ -72,16 +68,14 @@ def _user_wins(wanted: Mapping[tuple[str, ...], str], current: Mapping[str, str]
 
 
 def nccl_environment(current: Mapping[str, str]) -> tuple[dict[str, str], list[str]]:
-    """The NCCL variables to set, and a note per one the user set otherwise (theirs wins)."""
     return _user_wins({(name,): value for name, value in NCCL_ENVIRONMENT.items()}, current,
                       "NCCL.md")
 
 
 def dump_environment(current: Mapping[str, str], rank: int,
                      private_dir: str | None) -> dict[str, str]:
-    """The dump's prefix in a directory only this user reads, unless the user chose one: the
-    cluster's private directory for a rank on the notebook's machine, else a temporary one,
-    removed when the engine exits."""
+    """The dump's prefix, unless the user chose one, in a directory only this user reads (torch's
+    default in /tmp is readable by anyone): the cluster's private one, else a temporary one."""
     if any(name in current for name in DUMP_FILE_VARIABLES):
         return {}
     if private_dir:
@@ -94,9 +88,8 @@ def dump_environment(current: Mapping[str, str], rank: int,
 
 
 def check_collectives(check: bool) -> list[str]:
-    """torch compares every collective's operation and shapes across ranks before it runs
-    (TORCH_DISTRIBUTED_DEBUG=DETAIL, read at import: set again here); a note where DDP crashes
-    under it."""
+    """torch compares every collective across ranks before it runs (TORCH_DISTRIBUTED_DEBUG=DETAIL,
+    read at import: set again here); a note where DDP crashes under it."""
     from torch._C import _distributed_c10d
 
     if check:
@@ -115,7 +108,7 @@ def check_collectives(check: bool) -> list[str]:
 
 
 def ddp_survives() -> bool:
-    """Whether building a DDP model under DETAIL leaves a process alive (in a child process)."""
+    """Whether building a DDP model under DETAIL leaves a (child) process alive."""
     env = dict(os.environ, TORCH_DISTRIBUTED_DEBUG="DETAIL", OMP_NUM_THREADS="1")
     try:
         probe = subprocess.run([sys.executable, "-c", DDP_PROBE], env=env, timeout=120,
@@ -125,44 +118,42 @@ def ddp_survives() -> bool:
     return probe.returncode == 0
 
 
+# when this rank began joining its generation (time.time()): older flight-recorder entries belong
+# to groups that no longer exist
 GENERATION_STARTED = 0.0
-"""When this rank began joining its current generation (time.time()): the flight recorder's
-entries before it belong to groups that no longer exist."""
 
-KEPT_ERROR: BaseException | None = None
-"""The rank's last cell error as the teardown found it, for `%dist_debug`."""
+KEPT_ERROR: BaseException | None = None  # the last cell error the teardown found, for %dist_debug
 
 
-def init_generation(backend: str, master_addr: str, port: int, rank: int, world_size: int,
-                    timeout_s: float, gpus: list[int], store_path: str | None = None) -> None:
-    """Join a new generation. On one host the store is a file in the cluster's private directory
-    (`store_path`, owner-only): nothing listens on a port. Across hosts: a TCP store on rank 0,
-    listening on `master_addr:port` only."""
+def init_generation(setup: Any) -> None:
+    """Join the generation a `RankSetup` names. On one host its store is an owner-only file
+    (`store_path`): nothing listens on a port. Across hosts: a TCP store on rank 0."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
     global GENERATION_STARTED
     GENERATION_STARTED = time.time()
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(port))
+    os.environ.update(MASTER_ADDR=setup.master_addr, MASTER_PORT=str(setup.port))
+    spec, store_path, timeout_s = setup.spec, setup.store_path, setup.process_group_timeout
+    rank, world_size, nccl = spec.rank, spec.world_size, spec.backend == "nccl"
     kwargs: dict[str, Any] = {}
-    if backend == "nccl" and len(gpus) == 1:
+    if nccl and len(spec.gpus) == 1:
         # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be
         # free to run collectives on any of them
-        kwargs["device_id"] = torch.device("cuda", gpus[0])
+        kwargs["device_id"] = torch.device(spec.device)
     if store_path is not None:
         # torch creates the file with the user's umask; created first, owner-only, it stays so
         os.close(os.open(store_path, os.O_WRONLY | os.O_CREAT, 0o600))
         kwargs["store"] = dist.FileStore(store_path, world_size)
     else:
-        kwargs["store"] = _tcp_store(master_addr, port, rank, world_size, timeout_s)
+        kwargs["store"] = _tcp_store(setup.master_addr, setup.port, rank, world_size, timeout_s)
     with release.recording_sockets():
         # torch's own function: `dist.init_process_group` is the cells' wrapper (pasted_code)
         distributed_c10d.init_process_group(
-            backend=torch_backend(backend), rank=rank, world_size=world_size,
+            backend=torch_backend(spec.backend), rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
-        device = f"cuda:{gpus[0]}" if backend == "nccl" else "cpu"
-        check = torch.full((1,), rank + 1.0, device=device)
+        check = torch.full((1,), rank + 1.0, device=spec.device if nccl else "cpu")
         dist.all_reduce(check)
     expected = world_size * (world_size + 1) / 2
     if float(check.item()) != expected:
@@ -177,9 +168,8 @@ def torch_backend(backend: str) -> str:
 
 
 def sequence_numbers() -> dict[str, int]:
-    """Device type -> how many collectives this rank queued on the world group's backend for it
-    (NCCL counts at enqueue): equal on every rank between cells unless one queued a collective
-    its peers never reached."""
+    """Device type -> collectives this rank queued on the world group's backend for it: equal on
+    every rank between cells unless one queued a collective its peers never reached."""
     import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
@@ -217,9 +207,8 @@ def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_
 
 
 def teardown() -> bool:
-    """Abort and destroy the current process group if any; True if there was one. Destroy alone
-    is not enough: a failed cell's traceback or a DDP model keeps the group's sockets open, and
-    peers stay blocked, so they are shut down too (`release.release_now`)."""
+    """Abort and destroy the process group, if any (True then), so peers blocked on this rank fail
+    now. Destroying is not enough: a traceback or a DDP model keeps the group's sockets open."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 

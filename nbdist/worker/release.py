@@ -1,7 +1,6 @@
-"""Release a rank whose main thread is blocked inside a collective, and say where it is, from a
-thread of its own. Python runs signal handlers only between the main thread's bytecodes, so a rank
-blocked in C++ never sees SIGINT: an engine keeps two more signals blocked in every thread but one
-that waits for them."""
+"""Release a rank whose main thread is blocked in a collective, and say where it is. Python runs
+signal handlers only between the main thread's bytecodes (a rank blocked in C++ never sees SIGINT):
+two more signals are blocked in every thread but one that waits for them."""
 
 from __future__ import annotations
 
@@ -12,14 +11,13 @@ import socket
 import threading
 from collections.abc import Callable, Iterator
 
+# fail the blocked collective (`release_now`); the group is broken afterwards, the notebook
+# rebuilds it
 RELEASE_SIGNAL = signal.SIGUSR2
-"""Make the blocked collective fail: NCCL's communicators are aborted, then every group's
-connected sockets shut down (gloo's abort does not wake a waiting op). The group is broken
-afterwards; the notebook rebuilds it."""
 
+# say where the rank is now (`report_hook`): no library here uses it (SIGUSR1 may be Slurm's
+# warning before a job ends)
 REPORT_SIGNAL = int(signal.SIGRTMIN) + 1
-"""Say where the rank is now (`report_hook`): a real-time signal no library here uses (SIGUSR1
-may be Slurm's warning before a job ends)."""
 
 report_hook: Callable[[], None] | None = None
 
@@ -30,8 +28,7 @@ _GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never
 
 
 def install() -> None:
-    """Call first thing in the engine's main thread: threads inherit the blocked mask, so only
-    the waiting thread ever receives the signals."""
+    """Call first thing in the engine's main thread: threads inherit the blocked mask."""
     global INSTALLED
     if INSTALLED or threading.active_count() > 1:
         return
@@ -54,7 +51,6 @@ def _wait_loop() -> None:
 
 
 def socket_fds() -> dict[int, str]:
-    """This process's socket file descriptors and their inode names."""
     found: dict[int, str] = {}
     for name in os.listdir("/proc/self/fd"):
         with contextlib.suppress(OSError):  # closed meanwhile
@@ -74,20 +70,15 @@ def recording_sockets() -> Iterator[None]:
 
 
 def watch_new_groups() -> None:
-    """Record the sockets of every group created later too (``new_group``, a DeviceMesh's): every
-    way torch creates a group goes through this one private helper (torch 2.6 to 2.13)."""
+    """Record the sockets of every group created later too (``new_group``, a DeviceMesh's): torch
+    creates every group through this one private helper (torch 2.6 to 2.13)."""
     from torch.distributed import distributed_c10d
 
     create = distributed_c10d._new_process_group_helper
-    if hasattr(create, "__nbdist_original__"):
-        return
-
-    def recorded(*args: object, **kwargs: object) -> object:
-        with recording_sockets():
-            return create(*args, **kwargs)
-
-    recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
-    distributed_c10d._new_process_group_helper = recorded
+    if not hasattr(create, "__nbdist_original__"):
+        recorded = recording_sockets()(create)  # a fresh context per call (ContextDecorator)
+        recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
+        distributed_c10d._new_process_group_helper = recorded
 
 
 def forget_group_sockets() -> None:
@@ -95,12 +86,13 @@ def forget_group_sockets() -> None:
 
 
 def uses_nccl(backend: str) -> bool:
-    """`backend` (as dist.get_backend() says it: "nccl", "cpu:gloo,cuda:nccl") runs NCCL."""
+    """`backend` as dist.get_backend() says it ("nccl", "cpu:gloo,cuda:nccl") runs NCCL."""
     return any(part.split(":")[-1].strip() == "nccl" for part in str(backend).split(","))
 
 
-def release_now() -> int:
-    """Make a collective blocked on this rank fail; returns how many sockets were shut down."""
+def release_now() -> None:
+    """Make a collective blocked on this rank fail: NCCL's communicators aborted, then the groups'
+    sockets shut down (gloo's abort does not wake a waiting op)."""
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
@@ -108,28 +100,20 @@ def release_now() -> int:
         if dist.is_initialized() and uses_nccl(dist.get_backend()):
             # aborted first: NCCL's proxy must not see its sockets fail under a live communicator
             distributed_c10d._abort_process_group()
-    return shutdown_group_sockets()
+    shutdown_group_sockets()
 
 
-def shutdown_group_sockets() -> int:
+def shutdown_group_sockets() -> None:
     """Shut down the groups' connected sockets (never a listener: gloo ends the process if its
-    listener breaks). Peers blocked on this rank then fail at once, even while something (a DDP
-    model, a traceback) still holds the group object and so keeps its sockets open."""
-    closed = 0
+    listener breaks), so peers fail even while a DDP model or a traceback holds the group."""
     current = socket_fds()
     for fd, inode in sorted(_GROUP_SOCKETS.items()):
         if current.get(fd) != inode:  # closed since (the group was destroyed); fd may be reused
             continue
-        try:
+        with contextlib.suppress(OSError):
             sock = socket.socket(fileno=fd)
-        except OSError:
-            continue
-        try:
-            if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
-                sock.shutdown(socket.SHUT_RDWR)
-                closed += 1
-        except OSError:
-            pass
-        finally:
-            sock.detach()  # the fd stays gloo's; it closes it when the group is destroyed
-    return closed
+            try:
+                if not sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    sock.shutdown(socket.SHUT_RDWR)
+            finally:
+                sock.detach()  # the fd stays gloo's; it closes it when the group is destroyed

@@ -27,7 +27,9 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any,
     _note_old_torch(etype, value)
     with rank_memory.lifted():  # an error that hit --memory-limit must still be shown
         if etype is KeyboardInterrupt or is_transport_failure(value):
-            stb = plain(etype, value, tb)
+            # Python's own format from the first cell frame on (IPython's own frames dropped)
+            lines = _traceback.format_exception(etype, value, first_cell_frame(tb) or tb)
+            stb = ["".join(lines).rstrip("\n")]
         else:
             stb = shell.InteractiveTB.structured_traceback(etype, value, tb, tb_offset=tb_offset)
         ipp_compat.show_traceback(shell, etype, value, stb)
@@ -35,7 +37,7 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any,
 
 
 def _note_old_torch(etype: type, value: BaseException) -> None:
-    """Add one line saying which torch a feature needs when the error is how an older one fails."""
+    """One line saying which torch a feature needs, when the error is how an older one fails."""
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(value, "add_note"):
         return
@@ -45,18 +47,10 @@ def _note_old_torch(etype: type, value: BaseException) -> None:
 
 
 def first_cell_frame(tb: Any) -> Any:
-    """The traceback from the first cell frame on; None when no frame is a cell's (an error in a
-    call the notebook made, not in a cell)."""
+    """The traceback from the first cell frame on; None when no frame is a cell's."""
     while tb is not None and not is_cell_file(tb.tb_frame.f_code.co_filename):
         tb = tb.tb_next
     return tb
-
-
-def plain(etype: type, value: BaseException, tb: Any) -> list[str]:
-    """Python's own format, from the first cell frame on (IPython's own frames dropped)."""
-    start = first_cell_frame(tb)
-    lines = _traceback.format_exception(etype, value, start if start is not None else tb)
-    return ["".join(lines).rstrip("\n")]
 
 
 def _for_storage(exception: BaseException, *_: Any, **__: Any) -> dict[str, Any]:
