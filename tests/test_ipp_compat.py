@@ -150,7 +150,7 @@ def _thread_name() -> str:
     return threading.current_thread().name
 
 
-def test_a_launcher_subclass_owns_its_wait_thread() -> None:
+def test_a_launcher_subclass_owns_its_wait_thread(tmp_path) -> None:
     """What `ForkEngineLauncher` overrides: `_wait` runs on the thread `_start_waiting` starts
     (named ``wait(pid=N)``) and returns once `_stop_waiting` is set."""
     import sys
@@ -165,7 +165,9 @@ def test_a_launcher_subclass_owns_its_wait_thread() -> None:
             seen.append(threading.current_thread().name)
             self._stop_waiting.wait(30)
 
-    launcher = Probe(cmd_and_args=[sys.executable, "-c", "import time; time.sleep(60)"])
+    # its log goes to profile_dir/log (without one: ./log/process-PID.log, left behind)
+    launcher = Probe(cmd_and_args=[sys.executable, "-c", "import time; time.sleep(60)"],
+                     profile_dir=str(tmp_path))
     launcher.start()
     try:
         _until(lambda: bool(seen), "call of the overridden _wait")
