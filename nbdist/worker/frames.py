@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import io
 import pickle
+import sys
 from typing import Any
 
 OUT_OF_BAND = 64 * 1024
@@ -40,7 +41,19 @@ def pack(value: Any) -> list[Any]:
 def unpack(frames: list[Any], device: Any = None) -> Any:
     """The value `pack` made, its tensors moved to `device` if given (a tensor frame received
     without a copy and left on the CPU stays shared with it)."""
-    return _Unpickler(io.BytesIO(frames[0]), buffers=frames[1:], device=device).load()
+    queued = len(_sparse_to_validate())
+    try:
+        return _Unpickler(io.BytesIO(frames[0]), buffers=frames[1:], device=device).load()
+    finally:
+        # torch's own unpickling queues each sparse tensor for the next torch.load to validate
+        # (torch 2.6 does): ours come from the cluster's signed ranks, and would stay held there
+        del _sparse_to_validate()[queued:]
+
+
+def _sparse_to_validate() -> list[Any]:
+    """torch's queue of unpickled sparse tensors; empty while torch is not imported."""
+    utils = sys.modules.get("torch._utils")
+    return utils._sparse_tensors_to_validate if utils is not None else []
 
 
 class _FramePickler(pickle.Pickler):
