@@ -13,6 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from nbdist import Cluster
+from nbdist.worker.net import free_port
 
 DDP_SETUP = """
 import torch.nn as nn
@@ -127,7 +128,8 @@ def test_rpc_init_twice_then_shutdown_and_again(cluster: Cluster) -> None:
     assert "RPC already runs on this rank as 'worker" in other_name.errors[0].evalue
     cluster.run("rpc.shutdown()", timeout=60).raise_for_errors()
     # a fresh port for the new RPC rendezvous, as a script run twice under torchrun would get
-    cluster.run("import os\nos.environ['MASTER_PORT'] = str(int(os.environ['MASTER_PORT']) + 1)")
+    # (a free one: MASTER_PORT + 1 was sometimes taken, EADDRINUSE)
+    cluster.run(f"import os\nos.environ['MASTER_PORT'] = '{free_port()}'")
     cluster.run(init + "\nrpc.shutdown()", timeout=60).raise_for_errors()
 
 
