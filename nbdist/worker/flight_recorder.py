@@ -38,7 +38,7 @@ class EnteredCollective:
                    for shape, dtype in zip(self.sizes, self.dtypes, strict=False))
 
     def shapes(self) -> str:
-        return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in self.sizes)
+        return ", ".join(str(list(shape)) for shape in self.sizes)
 
 
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
