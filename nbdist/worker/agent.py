@@ -41,7 +41,7 @@ class TelemetryAgent:
         self._stop = threading.Event()
         self.wake = threading.Event()  # set by log() and optimizer steps
         self._last_publish = 0.0
-        self._start: tuple[float, dict[str, Any] | None] | None = None  # (due, payload)
+        self._start: tuple[float, dict[str, Any]] | None = None  # (due, payload)
         self._thread: threading.Thread | None = None
         self.cell_running = False
         self.cell_id = 0
@@ -70,8 +70,9 @@ class TelemetryAgent:
         # the start sample is taken now (it resets the cell's peak) but sent only if the cell
         # still runs start_delay later: a short cell costs one message, its cell_end payload
         payload = self.collect("cell_start", only=("memory",))
+        due = time.monotonic() + self.start_delay
         with self._publish_lock:
-            self._start = (time.monotonic() + self.start_delay, payload)
+            self._start = None if payload is None else (due, payload)
         self.wake.set()
 
     def cell_finished(self) -> None:
@@ -129,8 +130,7 @@ class TelemetryAgent:
                 start = self._start
                 if start and now >= start[0]:
                     self._start = None
-                    if start[1] is not None:
-                        self.send(start[1])
+                    self.send(start[1])
             if now >= next_tick:
                 self.wake.clear()
                 next_tick = now + self.interval

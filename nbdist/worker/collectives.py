@@ -14,7 +14,7 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from nbdist.worker import flight_recorder, process_group
@@ -70,9 +70,7 @@ def _position(fn: Any, name: str) -> int | None:
 
 
 def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, at: int | None) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[at] if at is not None and at < len(args) else None
+    return kwargs.get(name, args[at] if at is not None and at < len(args) else None)
 
 
 class CollectiveTracker:
@@ -168,8 +166,7 @@ class CollectiveTracker:
         """Where the main thread is now: collective in flight, count, and its user-level stack."""
         current = self.current
         return {
-            "collective": None if current is None else {
-                "name": current.name, "location": current.location, "since": current.since},
+            "collective": None if current is None else asdict(current),
             "collectives_entered": self.count,
             "stack": main_thread_stack(self.main_thread_id),
         }
@@ -180,14 +177,16 @@ class CollectiveTracker:
         if self.failed_in is not None or not is_transport_failure(exc):
             return
         cell_line, in_backward = "?", False
-        tb = exc.__traceback__
-        while tb is not None:
-            code = tb.tb_frame.f_code
+        for frame, lineno in traceback.walk_tb(exc.__traceback__):
+            code = frame.f_code
             if is_cell_file(code.co_filename):
-                cell_line = describe_location(code.co_filename, tb.tb_lineno)
+                cell_line = describe_location(code.co_filename, lineno)
             in_backward = in_backward or code.co_name in ("backward", "_engine_run_backward")
-            tb = tb.tb_next
-        recorded = _recorded_name()
+        try:  # the collective torch's flight recorder saw this rank enter last
+            found = flight_recorder.entries() if flight_recorder.available() else []
+        except Exception:  # the group is half torn down: the guess below stands
+            found = []
+        recorded = max(found, key=lambda entry: entry.since).title() if found else ""
         if recorded:
             name = f"{recorded} (gradients in backward())" if in_backward else recorded
         else:
@@ -209,12 +208,10 @@ def _profile_range(name: str, group: Any) -> Any:
 def _release_broken_group(exc: BaseException) -> None:
     """Close a broken group now so peers blocked on this rank fail at once too. torch's frames in
     the traceback hold the Work (and the group's sockets) alive: their locals are cleared first."""
-    tb = exc.__traceback__
-    while tb is not None:
-        if tb.tb_frame.f_code.co_filename.startswith(_TORCH_DIR):
+    for frame, _lineno in traceback.walk_tb(exc.__traceback__):
+        if frame.f_code.co_filename.startswith(_TORCH_DIR):
             with contextlib.suppress(RuntimeError):  # a frame still executing keeps its locals
-                tb.tb_frame.clear()
-        tb = tb.tb_next
+                frame.clear()
     process_group.teardown()
 
 
@@ -224,21 +221,10 @@ _TRANSPORT_MARKS = ("Connection closed by peer", "Connection reset by peer", "Br
 
 def is_transport_failure(exc: BaseException | None) -> bool:
     """A process-group operation failed because a peer went away (not the user's own error)."""
-    if exc is None or isinstance(exc, KeyboardInterrupt):
-        return False
     from torch.distributed import DistBackendError
 
     return isinstance(exc, DistBackendError) or isinstance(exc, RuntimeError) and any(
         mark in str(exc) for mark in _TRANSPORT_MARKS)
-
-
-def _recorded_name() -> str:
-    """The collective torch's flight recorder saw this rank enter last, or "" without one."""
-    try:
-        found = flight_recorder.entries() if flight_recorder.available() else []
-    except Exception:  # the group is half torn down: the caller's own guess stands
-        return ""
-    return max(found, key=lambda entry: entry.since).title() if found else ""
 
 
 def main_thread_stack(thread_id: int | None, limit: int = 12) -> list[str]:

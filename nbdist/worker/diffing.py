@@ -29,7 +29,7 @@ def fingerprint(obj: Any, full: bool = False) -> dict[str, Any]:
     `full`: sharded DTensors are gathered (a collective: every rank must be fingerprinting)."""
     notes: set[str] = set()
     _FLAT.clear()
-    _walk(obj, "", _FLAT, full, notes)
+    _walk(obj, "", full, notes)
     return {"type": describe_type(obj),
             "entries": {name: entry_fingerprint(value) for name, value in _FLAT.items()},
             "notes": sorted(notes)}
@@ -49,12 +49,12 @@ def describe_type(obj: Any) -> str:
     return type(obj).__qualname__
 
 
-def _walk(obj: Any, name: str, out: dict[str, Any], full: bool, notes: set[str]) -> None:
+def _walk(obj: Any, name: str, full: bool, notes: set[str]) -> None:
     """Modules (parameters and buffers by name), optimizers (state_dict), dicts, lists and tuples
     are walked; tensors (DTensors resolved) and other values are leaves."""
     import torch
 
-    if len(out) >= MAX_ENTRIES:
+    if len(_FLAT) >= MAX_ENTRIES:
         notes.add(f"stopped after {MAX_ENTRIES} entries")
         return
     if isinstance(obj, torch.nn.Module):
@@ -68,10 +68,10 @@ def _walk(obj: Any, name: str, out: dict[str, Any], full: bool, notes: set[str])
     elif isinstance(obj, list | tuple):
         children = dict(enumerate(obj))
     else:
-        out[name] = _resolve_dtensor(obj, full, notes) if isinstance(obj, torch.Tensor) else obj
+        _FLAT[name] = _resolve_dtensor(obj, full, notes) if isinstance(obj, torch.Tensor) else obj
         return
     for key, child in children.items():
-        _walk(child, f"{name}.{key}" if name else str(key), out, full, notes)
+        _walk(child, f"{name}.{key}" if name else str(key), full, notes)
 
 
 def _resolve_dtensor(tensor: Any, full: bool, notes: set[str]) -> Any:
@@ -111,33 +111,26 @@ def entry_fingerprint(value: Any) -> dict[str, Any]:
     if isinstance(value, ShardedEntry):
         return {"kind": "sharded", "shape": list(value.local_shape), "dtype": value.dtype,
                 "digest": _digest(repr(value).encode()), "repr": repr(value)}
-    if isinstance(value, torch.Tensor):
-        return _tensor_fingerprint(value)
-    try:
-        data = pickle.dumps(value, protocol=4)
-    except Exception:
-        data = repr(value).encode()
-    text = repr(value)
-    return {"kind": "value", "type": describe_type(value), "digest": _digest(data),
-            "repr": text if len(text) <= 80 else text[:77] + "..."}
-
-
-def _tensor_fingerprint(tensor: Any) -> dict[str, Any]:
-    import torch
-
-    base = {"kind": "tensor", "shape": list(tensor.shape),
-            "dtype": str(tensor.dtype).replace("torch.", "")}
-    if tensor.is_meta or tensor.layout != torch.strided:
+    if not isinstance(value, torch.Tensor):
+        text = repr(value)
+        try:
+            data = pickle.dumps(value, protocol=4)
+        except Exception:
+            data = text.encode()
+        return {"kind": "value", "type": describe_type(value), "digest": _digest(data),
+                "repr": text if len(text) <= 80 else text[:77] + "..."}
+    base = {"kind": "tensor", "shape": list(value.shape),
+            "dtype": str(value.dtype).replace("torch.", "")}
+    if value.is_meta or value.layout != torch.strided:
         return {**base, "digest": _digest(repr(base).encode()), "stats": {}}
-    cpu = tensor.detach().to("cpu").contiguous()
+    cpu = value.detach().to("cpu").contiguous()
     try:
         raw = cpu.reshape(-1).view(torch.uint8).numpy().tobytes()
     except (RuntimeError, TypeError):  # quantized and other exotic dtypes
         raw = repr(cpu.tolist()).encode()
     stats = {}
     if cpu.numel() and cpu.dtype != torch.bool:
-        values = cpu.to(torch.complex128 if cpu.is_complex() else torch.float64)
-        values = values.abs() if values.is_complex() else values
+        values = cpu.to(torch.complex128).abs() if cpu.is_complex() else cpu.double()
         stats = {"sum": float(values.sum()), "min": float(values.min()),
                  "max": float(values.max()), "norm": float(values.norm())}
     return {**base, "digest": _digest(raw), "stats": stats}

@@ -38,7 +38,7 @@ class EnteredCollective:
                    for shape, dtype in zip(self.sizes, self.dtypes, strict=False))
 
     def shapes(self) -> str:
-        return ", ".join("[" + ", ".join(str(d) for d in shape) + "]" for shape in self.sizes)
+        return ", ".join(str(list(shape)) for shape in self.sizes)
 
 
 _DTYPE_BYTES = {"Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4,
@@ -169,9 +169,8 @@ def analyser_trace(stacks: bool = True) -> bytes:
     (one file per rank); gloo leaves the groups' ranks out of it, so they are filled in here."""
     torch_support.require("flight-recorder")
     trace = _dump(True, stacks)
-    config = dict(trace["pg_config"])
+    config = trace["pg_config"]
     config.pop("", None)
     for name, (label, ranks) in _group_names().items():
         config.setdefault(name, {"name": name, "desc": label, "ranks": str(list(ranks))})
-    trace["pg_config"] = config
     return pickle.dumps(trace)

@@ -274,26 +274,26 @@ TIMING = StepTiming()
 _HOOKS: list[Any] = []
 
 
-def install_step_timing(agent: TelemetryAgent, timing: StepTiming = TIMING) -> None:
+def install_step_timing(agent: TelemetryAgent) -> None:
     """The ``"timing"`` provider, the optimizer-step hooks and DDP's parameter hooks."""
     import torch.optim.optimizer as optimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    timing.enabled = os.environ.get(OPT_OUT, "1").lower() not in ("0", "false", "no", "off")
-    timing.wake = agent.wake
-    agent.register("timing", timing.drain)
+    TIMING.enabled = os.environ.get(OPT_OUT, "1").lower() not in ("0", "false", "no", "off")
+    TIMING.wake = agent.wake
+    agent.register("timing", TIMING.drain)
     if _HOOKS:  # the step hooks and DDP's wrapper: once per process
         return
     _HOOKS.extend((
-        optimizer.register_optimizer_step_pre_hook(timing.on_optimizer_step_begin),
-        optimizer.register_optimizer_step_post_hook(timing.on_optimizer_step)))
+        optimizer.register_optimizer_step_pre_hook(TIMING.on_optimizer_step_begin),
+        optimizer.register_optimizer_step_post_hook(TIMING.on_optimizer_step)))
     original = DDP.__init__
 
     # DDP's own fused C++ all-reduce stays: a Python comm hook costs a second pass per bucket
     @functools.wraps(original)
     def init(ddp: Any, *args: Any, **kwargs: Any) -> None:
         original(ddp, *args, **kwargs)
-        if timing.enabled:
-            timing.watch(ddp)
+        if TIMING.enabled:
+            TIMING.watch(ddp)
 
     DDP.__init__ = init  # type: ignore[method-assign]

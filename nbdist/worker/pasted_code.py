@@ -139,7 +139,6 @@ def _init_process_group(original: Any, *args: Any, **kwargs: Any) -> None:
             "group exists), or start the cluster to match (%dist_start --backend ...)")
     _note("init", f"init_process_group() skipped: the cluster's process group is already up "
                   f"({current})")
-    return None
 
 
 def _destroy_process_group(original: Any, group: Any = None) -> None:
@@ -172,7 +171,6 @@ def _init_rpc(original: Any, name: str, *args: Any, **kwargs: Any) -> None:
             "(then init_rpc works again), or %dist_restart for fresh processes")
     _note("rpc", f"rpc.init_rpc({name!r}) skipped: RPC already runs on this rank under that "
                  "name (call rpc.shutdown() first to start it anew)")
-    return None
 
 
 def _ranks_already() -> str:

@@ -56,10 +56,9 @@ def start() -> None:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    if _ACTIVE is not None:
-        stop()
+    stop()
     activities = [ProfilerActivity.CPU]
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_initialized():
         activities.append(ProfilerActivity.CUDA)
     profiler = profile(activities=activities)
     with _quiet_stderr():
@@ -74,7 +73,7 @@ def start() -> None:
     collectives.TRACKER.profiling = True
 
 
-def stop(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
+def stop() -> dict[str, Any] | None:
     """The running profile's capture (None if none ran), also kept as `LAST_CAPTURE`."""
     global _ACTIVE, LAST_CAPTURE
     session, _ACTIVE = _ACTIVE, None
@@ -84,7 +83,7 @@ def stop(max_events: int = MAX_EVENTS) -> dict[str, Any] | None:
     end_wall_us = time.time_ns() / 1000
     with _quiet_stderr():
         session.profiler.__exit__(None, None, None)
-    LAST_CAPTURE = _capture(session, end_wall_us, max_events)
+    LAST_CAPTURE = _capture(session, end_wall_us)
     return LAST_CAPTURE
 
 
@@ -130,7 +129,7 @@ def rank_path(path: str, rank: int) -> str:
     return f"{root}.rank{rank}{ext or '.json'}"
 
 
-def _capture(session: _Session, end_wall_us: float, max_events: int) -> dict[str, Any]:
+def _capture(session: _Session, end_wall_us: float) -> dict[str, Any]:
     profiler = session.profiler
     events = list(profiler.events() or [])
     anchor = next((e for e in events if e.name == ANCHOR), None)
@@ -138,16 +137,15 @@ def _capture(session: _Session, end_wall_us: float, max_events: int) -> dict[str
     offset = session.anchor_wall_us - middle
     start_us = session.cell_start_us or session.anchor_wall_us
     end_us = session.cell_end_us or end_wall_us
-    exported = [event for event in (_event_dict(e, offset) for e in events
-                                            if not e.name.startswith(ANCHOR))
-                if event["ts"] + event["dur"] >= start_us and event["ts"] <= end_us]
+    exported = [_event_dict(e, offset) for e in events if not e.name.startswith(ANCHOR)]
+    exported = [e for e in exported if e["ts"] + e["dur"] >= start_us and e["ts"] <= end_us]
     kept = exported
-    if len(exported) > max_events:
+    if len(exported) > MAX_EVENTS:
         def keep_first(event: dict[str, Any]) -> tuple[int, float]:
             comm = any(mark in event["name"] for mark in _COMM_MARKS)
             return (0 if comm else 1 if event["top"] else 2, -event["dur"])
 
-        kept = sorted(sorted(exported, key=keep_first)[:max_events], key=lambda e: e["ts"])
+        kept = sorted(sorted(exported, key=keep_first)[:MAX_EVENTS], key=lambda e: e["ts"])
     return {
         "rank": int(os.environ.get("RANK", "0")),  # set on a rank and under torchrun
         "host": socket.gethostname(),
@@ -163,7 +161,7 @@ def _capture(session: _Session, end_wall_us: float, max_events: int) -> dict[str
 
 def _event_dict(event: Any, offset: float) -> dict[str, Any]:
     start = float(event.time_range.start)
-    device = str(getattr(event, "device_type", "CPU")).rsplit(".", 1)[-1]
+    device = str(event.device_type).rsplit(".", 1)[-1]
     on_cpu = device == "CPU"
     thread = event.thread if on_cpu else f"{device.lower()} {event.device_index}:{event.thread}"
     return {
@@ -181,8 +179,8 @@ def _top_operators(profiler: Any) -> list[dict[str, Any]]:
     for avg in profiler.key_averages():
         if avg.key.startswith((ANCHOR, collectives.PROFILE_PREFIX)):
             continue
-        device_self = float(getattr(avg, "self_device_time_total", 0.0) or 0.0)
         rows.append({"name": avg.key, "count": int(avg.count),
-                     "self_cpu_us": float(avg.self_cpu_time_total), "self_device_us": device_self})
+                     "self_cpu_us": float(avg.self_cpu_time_total),
+                     "self_device_us": float(avg.self_device_time_total)})
     rows.sort(key=lambda row: -(row["self_cpu_us"] + row["self_device_us"]))
     return rows[:TOP_OPERATORS]

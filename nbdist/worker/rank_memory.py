@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import ctypes.util
-import functools
 import os
 import resource
 import threading
@@ -24,9 +22,11 @@ class _Mallinfo2(ctypes.Structure):
         "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
 
 
-@functools.cache  # find_library runs ldconfig
-def libc() -> Any:
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+_LIBC = ctypes.CDLL(None)  # the C library the process runs on
+_MALLINFO2 = getattr(_LIBC, "mallinfo2", None)  # glibc >= 2.33 only; elsewhere the heap is RSS
+if _MALLINFO2 is not None:
+    _MALLINFO2.restype = _Mallinfo2
+    _MALLINFO2.argtypes = []
 
 
 def read_status(*names: str) -> dict[str, int]:
@@ -66,7 +66,6 @@ class MemorySampler:
         self._lock = threading.Lock()
         self._cell = -1
         self._capacity = _host_memory_total() if self.kind == "cpu" else None
-        self._mallinfo2 = _load_mallinfo2() if self.kind == "cpu" else None
         self._can_clear_refs = True
         self._sampled_peak = 0
         self._torch_peak_at_start = 0
@@ -85,8 +84,6 @@ class MemorySampler:
             return self._sample_cuda(new_cell)
 
     def _sample_cpu(self, cell_start: bool) -> dict[str, Any]:
-        if cell_start:
-            self._sampled_peak = 0
         if cell_start and self._can_clear_refs:
             try:
                 # "5" resets VmHWM to the current RSS (Linux >= 4.0); no other side effect
@@ -96,12 +93,12 @@ class MemorySampler:
         status = read_status("VmRSS", "VmHWM")
         rss = status.get("VmRSS", 0)
         heap, heap_source = rss, "rss"
-        if self._mallinfo2 is not None:
-            info = self._mallinfo2()
+        if _MALLINFO2 is not None:
+            info = _MALLINFO2()
             heap, heap_source = int(info.uordblks + info.hblkhd), "mallinfo2"  # arenas + mmapped
         # without clear_refs VmHWM is the process-lifetime peak: our own samples then; with it,
         # never less than a sample we saw (the kernel's counters lag a bit)
-        self._sampled_peak = max(self._sampled_peak, rss)
+        self._sampled_peak = rss if cell_start else max(self._sampled_peak, rss)
         peak = status.get("VmHWM", 0) if self._can_clear_refs else 0
         return {"kind": "cpu", "device": "cpu", "allocated": heap, "reserved": rss,
                 "peak": max(peak, self._sampled_peak), "capacity": self._capacity, "rss": rss,
@@ -142,16 +139,6 @@ class MemorySampler:
             return {}
 
 
-def _load_mallinfo2() -> Any:  # glibc >= 2.33 only; elsewhere the heap is RSS
-    try:
-        fn = libc().mallinfo2
-    except (OSError, AttributeError):
-        return None
-    fn.restype = _Mallinfo2
-    fn.argtypes = []
-    return fn
-
-
 def nvml_uuids(torch_uuid: str) -> list[str]:
     """The names NVML may know this device by: torch prints a UUID bare, NVML prefixes a whole
     GPU's with "GPU-" and a MIG instance's with "MIG-"."""
@@ -181,7 +168,7 @@ def _open_nvml(device: Any) -> tuple[Any, Any]:
         pynvml.nvmlInit()
         index = torch.device(device).index or 0
         # torch indexes are relative to CUDA_VISIBLE_DEVICES; NVML's are physical: match by UUID
-        uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+        uuid = str(torch.cuda.get_device_properties(index).uuid)
         for name in nvml_uuids(uuid):
             for form in (name.encode(), name):  # older bindings want bytes
                 with contextlib.suppress(Exception):
@@ -217,10 +204,10 @@ def apply_memory_limit(limit: int | None, device: Any) -> None:
         torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
         STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, device=device)
         return
-    with contextlib.suppress(OSError, AttributeError):  # AttributeError: not glibc
+    with contextlib.suppress(AttributeError):  # not glibc
         # glibc: every block of 128 KiB or more its own mmap, unmapped when freed; by default the
         # threshold rises after the first large free and freed tensors stay counted in the heap
-        libc().mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 128 * 1024)
     # OpenMP starts intra-op threads on first use and each stack (8 MiB) counts as data: start
     # them before the budget, or libgomp's thread creation fails under a small one on many cores
     torch.ones(torch.get_num_threads() * 2**15).add_(1)  # 2**15: at::parallel_for's grain size
