@@ -266,20 +266,17 @@ class LaunchedMode(LaunchMode):
             return []
         return [la for es in self.ipp.engines.values() for la in engine_set_launchers(es)]
 
-    def _local_pids(self) -> list[Pid]:
-        """Local engine processes with their children (a remote PID never selects one here)."""
-        return process_trees(la.pid for la in self.launchers() if has_local_pid(la))
-
     def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
         """The controller's family, the fork server, the engines here and their helpers."""
         fork = self.fork_server
         server = [(fork.pid, fork.create_time)] if fork is not None else []
-        return sorted(set(self.processes.controller_family() + server + self._local_pids()
-                          + self._helper_pids(ranks)))
+        return sorted(set(self.processes.controller_family() + server + self._engine_pids(ranks)))
 
-    def _helper_pids(self, ranks: list[RankProcess]) -> list[Pid]:
-        """Processes the ranks here started (DataLoader workers...), as probed at bootstrap."""
-        return [pid for rank in ranks if self.pid_is_here(rank) for pid in rank.helper_pids]
+    def _engine_pids(self, ranks: list[RankProcess]) -> list[Pid]:
+        """The engine processes here with their children (a remote PID never selects one), and
+        the processes the ranks here started (DataLoader workers...), as probed at bootstrap."""
+        return (process_trees(la.pid for la in self.launchers() if has_local_pid(la))
+                + [pid for rank in ranks if self.pid_is_here(rank) for pid in rank.helper_pids])
 
     def log_tail(self, pid: int, lines: int) -> str:
         """The Slurm job's log for an engine that is not a process here."""
@@ -290,8 +287,7 @@ class LaunchedMode(LaunchMode):
 
     def stop_engines(self, ranks: list[RankProcess]) -> None:
         """Those here and their helpers by PID, the others through ipyparallel, else asked."""
-        terminate_all(self._local_pids() + self._helper_pids(ranks),
-                      grace=self.config.start.stop_timeout)
+        terminate_all(self._engine_pids(ranks), grace=self.config.start.stop_timeout)
         self._stop_through_ipyparallel(ranks)
         self.ipp.engines.clear()
 
