@@ -37,9 +37,8 @@ def _end_with_kernel(kernel: tuple[int, float], controller: int, workdir: str) -
 def main() -> None:
     import psutil
 
-    split = sys.argv.index("--")
     workdir = sys.argv[1]
-    sys.argv = [sys.argv[0], *sys.argv[split + 1:]]
+    sys.argv = [sys.argv[0], *sys.argv[3:]]  # ipyparallel's arguments, after WORKDIR --
     kernel, controller = (os.getppid(), psutil.Process(os.getppid()).create_time()), os.getpid()
 
     def watch() -> None:

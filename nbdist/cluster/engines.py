@@ -1,5 +1,5 @@
 """A cluster's engines as ipyparallel gives them: `LaunchMode`, what every launch mode answers
-(client, registration, signals), and `OwnedEngines`, the controller and engines nbdist starts.
+(client, registration, signals), and `LaunchedMode`, the controller and engines nbdist starts.
 PIDs only ever come from launchers whose processes run on this machine (`has_local_pid`)."""
 
 from __future__ import annotations
@@ -55,7 +55,6 @@ class LaunchMode:
         self.processes = processes
         self.on_exit = on_exit
         self.client: Any = None  # the engines' ipyparallel client while the cluster runs
-        self.say: Progress = lambda _msg: None
 
     @property
     def config(self) -> NbdistConfig:
@@ -118,7 +117,8 @@ class LaunchMode:
         """The end of the log of the engine with this PID (crash messages land there)."""
         return ""
 
-    def wait_for_registration(self, n: int | None, known: Iterable[int] = ()) -> list[int]:
+    def wait_for_registration(self, n: int | None, say: Progress,
+                              known: Iterable[int] = ()) -> list[int]:
         """Wait for n new engines to register (n None: all there are, at least one); fail fast
         if engine processes, or a controller nbdist started, exit meanwhile."""
         known_ids = set(known)
@@ -133,7 +133,7 @@ class LaunchMode:
                 known_ids.update(strangers)  # dead, or left by an interrupted start: not a rank
                 self._ask_to_exit(strangers)
                 continue
-            if self.job is not None and self.job.while_starting(self.say):
+            if self.job is not None and self.job.while_starting(say):
                 # the start-up deadline runs from when the job runs; the queue has its own
                 deadline = time.monotonic() + timeout
             exited = [la for la in self.launchers() if la.state == "after"]
@@ -171,13 +171,11 @@ class LaunchMode:
                 self.client.shutdown(targets=[e for e in engine_ids if e in self.client.ids],
                                      block=False)
 
-    def _ask_remote_ranks_to_exit(self, ranks: list[RankProcess]) -> None:
-        self._ask_to_exit([p.spec.engine_id for p in ranks
-                           if not self.pid_is_here(p) and p.state == "alive"])
 
-
-class OwnedEngines(LaunchMode):
-    """A controller and engines nbdist starts through ipyparallel (`ipyparallel.Cluster`)."""
+class LaunchedMode(LaunchMode):
+    """A controller and engines nbdist starts through an ipyparallel launcher (mpiexec, a Slurm
+    job, ssh; `LocalMode` here): owned, but stopped through the launcher where their PIDs are not
+    here (ssh kill, scancel), and replaced only all together by a restart."""
 
     owns_engines = True
     plan: LauncherPlan
@@ -196,17 +194,16 @@ class OwnedEngines(LaunchMode):
     def start(self, requested_n: int | None, say: Progress) -> list[int]:
         import ipyparallel as ipp
 
-        n, self.say = rank_setup.rank_count(requested_n, self.plan), say
+        n = rank_setup.rank_count(requested_n, self.plan)
         say(f"starting controller and {n} engine(s) ({self.name}) in {self.processes.workdir}")
         plan = self.plan = build_launcher_plan(self.name, self.options, n=n,
                                                interface=self.interface)
         if self.spans_hosts:
             warn_unauthenticated_rendezvous()
         cluster_kwargs = self._cluster_kwargs(plan)
-        if "controller_cmd" not in plan.config.LocalControllerLauncher:  # a user's own wins
-            # it ends with the kernel, and removes the private directory then
-            plan.config.LocalControllerLauncher.controller_cmd = controller_command(
-                self.processes.workdir)
+        # a user's own wins; this one ends with the kernel, and removes the private directory then
+        plan.config.LocalControllerLauncher.setdefault(
+            "controller_cmd", controller_command(self.processes.workdir))
         profile_dir = os.path.join(self.processes.workdir, "profile")
         with private_files() as user_umask, starting("ipyparallel controller"):
             _engines_restore_umask(plan, user_umask)
@@ -218,10 +215,10 @@ class OwnedEngines(LaunchMode):
                                    **cluster_kwargs)
             self.ipp.start_controller_sync()
         self.processes.record_controller(self.ipp.controller.pid)
-        self._start_engines(n)
+        self._start_engines(n, say)
         self._engines_starting()
         self.client = self.ipp.connect_client_sync()
-        return self.wait_for_registration(n)
+        return self.wait_for_registration(n, say)
 
     def _cluster_kwargs(self, plan: LauncherPlan) -> dict[str, Any]:
         return dict(plan.cluster_kwargs)  # ipyparallel.Cluster's (LocalMode adds its own)
@@ -237,13 +234,12 @@ class OwnedEngines(LaunchMode):
         return self._more_engines(n, old_ids, say)
 
     def _more_engines(self, n: int, known: set[int], say: Progress) -> list[int]:
-        self.say = say
-        self._start_engines(n)
-        return self.wait_for_registration(n, known=known)
+        self._start_engines(n, say)
+        return self.wait_for_registration(n, say, known)
 
-    def _start_engines(self, n: int) -> None:
+    def _start_engines(self, n: int, say: Progress) -> None:
         if self.fork_server is not None and not self.fork_server.alive():
-            self.say(f"{self.fork_server.why_gone()}\nstarting the engines cold instead")
+            say(f"{self.fork_server.why_gone()}\nstarting the engines cold instead")
             self.ipp.engine_launcher_class = "ipyparallel.cluster.launcher.LocalEngineSetLauncher"
             self.fork_server.reap()
             self.fork_server = None
@@ -263,27 +259,24 @@ class OwnedEngines(LaunchMode):
                 self._launchers_by_pid[launcher.pid] = launcher
                 ipp_compat.run_wait_callbacks_at_once(launcher)
         if cold := {getattr(la, "fallback_reason", "") for la in self.launchers()} - {""}:
-            self.say(f"engines started cold, not forked: {'; '.join(sorted(cold))}")
+            say(f"engines started cold, not forked: {'; '.join(sorted(cold))}")
 
     def launchers(self) -> list[Any]:
         if self.ipp is None:
             return []
         return [la for es in self.ipp.engines.values() for la in engine_set_launchers(es)]
 
-    def _local_pids(self) -> list[Pid]:
-        """Local engine processes with their children (a remote PID never selects one here)."""
-        return process_trees(la.pid for la in self.launchers() if has_local_pid(la))
-
     def owned_pids(self, ranks: list[RankProcess]) -> list[Pid]:
         """The controller's family, the fork server, the engines here and their helpers."""
         fork = self.fork_server
         server = [(fork.pid, fork.create_time)] if fork is not None else []
-        return sorted(set(self.processes.controller_family() + server + self._local_pids()
-                          + self._helper_pids(ranks)))
+        return sorted(set(self.processes.controller_family() + server + self._engine_pids(ranks)))
 
-    def _helper_pids(self, ranks: list[RankProcess]) -> list[Pid]:
-        """Processes the ranks here started (DataLoader workers...), as probed at bootstrap."""
-        return [pid for rank in ranks if self.pid_is_here(rank) for pid in rank.helper_pids]
+    def _engine_pids(self, ranks: list[RankProcess]) -> list[Pid]:
+        """The engine processes here with their children (a remote PID never selects one), and
+        the processes the ranks here started (DataLoader workers...), as probed at bootstrap."""
+        return (process_trees(la.pid for la in self.launchers() if has_local_pid(la))
+                + [pid for rank in ranks if self.pid_is_here(rank) for pid in rank.helper_pids])
 
     def log_tail(self, pid: int, lines: int) -> str:
         """The Slurm job's log for an engine that is not a process here."""
@@ -294,15 +287,13 @@ class OwnedEngines(LaunchMode):
 
     def stop_engines(self, ranks: list[RankProcess]) -> None:
         """Those here and their helpers by PID, the others through ipyparallel, else asked."""
-        terminate_all(self._local_pids() + self._helper_pids(ranks),
-                      grace=self.config.start.stop_timeout)
-        stopped = self._stop_through_ipyparallel()
+        terminate_all(self._engine_pids(ranks), grace=self.config.start.stop_timeout)
+        self._stop_through_ipyparallel(ranks)
         self.ipp.engines.clear()
-        if not stopped:
-            self._ask_remote_ranks_to_exit(ranks)
 
-    def _stop_through_ipyparallel(self) -> bool:
-        """Stop the engines through ipyparallel (ssh kill, scancel...); False if that failed."""
+    def _stop_through_ipyparallel(self, ranks: list[RankProcess]) -> None:
+        """Stop the engines through ipyparallel (ssh kill, scancel...); if that fails, ask the
+        ranks elsewhere to exit."""
         job, self.job = self.job, None
         try:
             self.ipp.stop_engines_sync()
@@ -310,17 +301,17 @@ class OwnedEngines(LaunchMode):
         except Exception:
             stopped = False
         if job is not None:  # scancel returns at once: wait until no step or engine is left
-            return job.cancel(self.config.start.stop_timeout
-                              + self.config.batch.batch_command_timeout)
-        return stopped
+            stopped = job.cancel(self.config.start.stop_timeout
+                                 + self.config.batch.batch_command_timeout)
+        if not stopped:
+            self._ask_to_exit([p.spec.engine_id for p in ranks
+                               if not self.pid_is_here(p) and p.state == "alive"])
 
     def stop(self, ranks: list[RankProcess]) -> None:
         if self.ipp is not None and not self.plan.engine_pids_local:  # ssh kill, scancel first
-            if not self._stop_through_ipyparallel():
-                self._ask_remote_ranks_to_exit(ranks)
-        owned = self.owned_pids(ranks)
+            self._stop_through_ipyparallel(ranks)
         super().stop(ranks)
-        terminate_all(owned, grace=self.config.start.stop_timeout)
+        terminate_all(self.owned_pids(ranks), grace=self.config.start.stop_timeout)
         if self.ipp is not None:  # drop it and its threads: an exit still being reported
             # would rewrite the cluster file after the workdir went
             ipp_compat.end_wait_threads(self.launchers(), list(self._launchers_by_pid.values()),
@@ -361,9 +352,8 @@ def _engines_restore_umask(plan: LauncherPlan, user_umask: int) -> None:
     if plan.launcher == "ssh":
         return
     engine_set = plan.config[ENGINE_SET_CLASS[plan.launcher]]
-    environment = dict(engine_set.environment) if "environment" in engine_set else {}
-    environment.setdefault(USER_UMASK_ENV, f"{user_umask:03o}")
-    engine_set.environment = environment
+    engine_set.environment = {USER_UMASK_ENV: f"{user_umask:03o}",
+                              **engine_set.get("environment", {})}
 
 
 def _engine_log(launcher: Any) -> str:
@@ -384,8 +374,5 @@ def _log_tails(launchers: list[Any], lines: int = 15) -> str:
 
 def _quiet_logger() -> logging.Logger:
     log = logging.getLogger("nbdist.ipyparallel")
-    log.setLevel(logging.WARNING)
-    log.propagate = False
-    if not log.handlers:
-        log.addHandler(logging.NullHandler())
+    log.setLevel(logging.CRITICAL + 1)  # ipyparallel's log: nbdist says what matters itself
     return log

@@ -94,8 +94,7 @@ class ForkEngineSetLauncher(LocalEngineSetLauncher):
     """Local engines forked by the fork server (`ForkEngineLauncher.fork_socket`, in the config)."""
 
     launcher_class = ForkEngineLauncher
-    # ipyparallel sleeps this long between two engines of a set (0.1 s: 0.3 s of every start
-    # and restart of 4 ranks); a fork takes milliseconds and nbdist orders the ranks itself
+    # ipyparallel waits 0.1 s between engines; a fork takes ms and nbdist orders the ranks itself
     delay = Float(0.0, config=True, help="Seconds between forking two engines of the set.")
 
 

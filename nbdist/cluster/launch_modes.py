@@ -8,9 +8,10 @@ import json
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from nbdist.cluster.engines import ExitHandler, LaunchMode, OwnedEngines, Progress, starting
+from nbdist.cluster.engines import ExitHandler, LaunchedMode, LaunchMode, Progress, starting
 from nbdist.cluster.fork_launcher import SET_LAUNCHER, ForkServerProcess
 from nbdist.cluster.gather import gather
 from nbdist.cluster.launchers import LauncherPlan
@@ -20,7 +21,7 @@ from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.worker import bootstrap
 
 
-class LocalMode(OwnedEngines):
+class LocalMode(LaunchedMode):
     """Engines on this machine, forked from the cluster's fork server (or started cold): each is
     owned, signalled and stopped by PID, and a dead one can be replaced alone."""
 
@@ -30,8 +31,8 @@ class LocalMode(OwnedEngines):
         of their exit from the launcher. They fork from the fork server, if there is one."""
         wait = self.config.start.engine_start_timeout
         engine_set = plan.config.LocalEngineSetLauncher
-        args = list(engine_set.engine_args) if "engine_args" in engine_set else []
-        engine_set.engine_args = [*args, f"--IPEngine.url_file={self._engine_file}",
+        engine_set.engine_args = [*engine_set.get("engine_args", []),
+                                  f"--IPEngine.url_file={self._engine_file}",
                                   f"--IPEngine.wait_for_url_file={wait}",
                                   "--IPEngine.enable_nanny=False"]
         # the engines read a copy of the connection file (_engines_starting), not the env
@@ -57,8 +58,7 @@ class LocalMode(OwnedEngines):
         deadline = time.monotonic() + self.config.start.engine_start_timeout
         while True:
             try:
-                with open(source) as f:
-                    text = f.read()
+                text = Path(source).read_text()
                 json.loads(text)
                 break
             except (OSError, ValueError):  # not there yet, or being written
@@ -87,12 +87,6 @@ class LocalMode(OwnedEngines):
         return self._more_engines(count, known, say)
 
 
-class LaunchedMode(OwnedEngines):
-    """Engines an ipyparallel launcher starts (mpiexec, a Slurm job, ssh): owned, but stopped
-    through the launcher where their PIDs are not here (ssh kill, scancel), and replaced only all
-    together by a restart."""
-
-
 class AttachedMode(LaunchMode):
     """The engines of an ipyparallel cluster someone else started (`ipcluster start`, a Slurm
     job): nbdist makes ranks of them and leaves them as it found them, killing none."""
@@ -117,11 +111,11 @@ class AttachedMode(LaunchMode):
             ) from None
         started = engines_started(self.target) if requested_n is None else None
         try:
-            ids = self.wait_for_registration(requested_n or started)
+            ids = self.wait_for_registration(requested_n or started, say)
         except ClusterStartError:
             if started is None:
                 raise
-            ids = self.wait_for_registration(None)
+            ids = self.wait_for_registration(None, say)
             say(f"only {len(ids)} of the {started} engine(s) the cluster file lists registered "
                 f"within {self.config.start.engine_start_timeout:.0f} s; using those")
         say(f"attached to {len(ids)} engine(s) of an existing cluster ({self.target})")
@@ -136,8 +130,8 @@ class AttachedMode(LaunchMode):
         alive = self._call_living(ranks, bootstrap.teardown_process_group,
                                   self.config.start.rebuild_timeout)
         say(f"waiting for {n} engine(s) of the attached cluster (nbdist does not restart them)")
-        return self.wait_for_registration(n, known=[p.spec.engine_id for p in ranks
-                                                    if p not in alive])
+        return self.wait_for_registration(n, say, [p.spec.engine_id for p in ranks
+                                                   if p not in alive])
 
     def stop(self, ranks: list[RankProcess]) -> None:
         """Each living engine stops its telemetry and leaves the process group (best effort)."""

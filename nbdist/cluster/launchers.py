@@ -30,22 +30,17 @@ LAUNCHERS = ("local", "mpi", "slurm", "ssh")  # what launcher= (%dist_start --la
 ENGINE_SET_CLASS = {"local": "LocalEngineSetLauncher", "mpi": "MPIEngineSetLauncher",
                     "slurm": "SlurmEngineSetLauncher", "ssh": "SSHEngineSetLauncher"}
 
-# Friendly option names -> the ipyparallel trait they set on the engine-set launcher.
-_OPTION_TRAITS: dict[str, dict[str, str]] = {
-    "mpi": {"mpi_cmd": "mpi_cmd", "mpi_args": "mpi_args"},
-    "slurm": {
-        "partition": "queue", "queue": "queue", "account": "account", "qos": "qos",
-        "timelimit": "timelimit", "time": "timelimit", "options": "options",
-        "sbatch_args": "options", "submit_command": "submit_command",
-        "batch_template": "batch_template", "batch_template_file": "batch_template_file",
-    },
-    "ssh": {
-        "ssh_cmd": "ssh_cmd", "ssh_args": "ssh_args", "scp_cmd": "scp_cmd",
-        "scp_args": "scp_args", "remote_python": "remote_python",
-        "remote_profile_dir": "remote_profile_dir", "user": "user",
-    },
-    "local": {},
+# Friendly option names: the engine-set launcher's ipyparallel trait of that name, or of the name
+# _ALIASES gives (set in this order: of two names for one trait, the later wins).
+_OPTIONS: dict[str, tuple[str, ...]] = {
+    "mpi": ("mpi_cmd", "mpi_args"),
+    "slurm": ("partition", "queue", "account", "qos", "timelimit", "time", "options",
+              "sbatch_args", "submit_command", "batch_template", "batch_template_file"),
+    "ssh": ("ssh_cmd", "ssh_args", "scp_cmd", "scp_args", "remote_python", "remote_profile_dir",
+            "user"),
+    "local": (),
 }
+_ALIASES = {"partition": "queue", "time": "timelimit", "sbatch_args": "options"}
 _LIST_TRAITS = {"mpi_cmd", "mpi_args", "ssh_cmd", "ssh_args", "scp_cmd", "scp_args",
                 "submit_command"}
 # Options every launcher understands (consumed by nbdist, not handed to an engine set).
@@ -105,9 +100,7 @@ def build_launcher_plan(launcher: str = "local", options: Mapping[str, Any] | No
     _set_friendly_options(launcher, opts, engine_set)
     spans_hosts, python = _place(launcher, cfg, opts, n, python)
     engine_pids_local = launcher == "local" or (launcher == "mpi" and not spans_hosts)
-    if "spans_hosts" in opts:
-        spans_hosts = flag(opts.pop("spans_hosts"))
-    spans_hosts = spans_hosts or interface is not None
+    spans_hosts = flag(opts.pop("spans_hosts", spans_hosts)) or interface is not None
 
     engine_set.engine_cmd = command = engine_command(python)
     if launcher in ("local", "ssh"):  # their per-engine launchers take the command too
@@ -133,16 +126,17 @@ def build_launcher_plan(launcher: str = "local", options: Mapping[str, Any] | No
 
 def _set_friendly_options(launcher: str, opts: dict[str, Any], engine_set: Config) -> None:
     """Friendly option names onto the engine-set launcher's traits (popped from `opts`)."""
-    friendly = _OPTION_TRAITS[launcher]
+    friendly = _OPTIONS[launcher]
     unknown = sorted(k for k in opts if k not in friendly and k not in _COMMON_OPTIONS)
     if unknown:
         raise NbdistError(
             f"launcher {launcher!r} does not take option(s) {', '.join(unknown)}; it takes "
             f"{', '.join(sorted(set(friendly) | _COMMON_OPTIONS))} or any ipyparallel trait as "
             "'Class.trait'")
-    for key, trait in friendly.items():
+    for key in friendly:
         if key in opts:
             value = opts.pop(key)
+            trait = _ALIASES.get(key, key)
             engine_set[trait] = (as_list(value, key) if trait in _LIST_TRAITS
                                  else text_option(value, key))
 

@@ -34,15 +34,15 @@ _FIELDS = re.compile(r"(?:^|\s)(JobState|Reason|ExitCode|TimeLimit)=(\S*)")
 class JobState:
     """One `scontrol show job` answer about a job."""
 
-    state: str  # PENDING, RUNNING, COMPLETING, CANCELLED...; "" once Slurm forgot the job
-    reason: str  # why it waits or ended (Resources, TimeLimit, NodeDown, None...)
-    time_limit: str  # as Slurm writes it (00:10:00, UNLIMITED)
+    state: str = ""  # PENDING, RUNNING, COMPLETING, CANCELLED...; "" once Slurm forgot the job
+    reason: str = ""  # why it waits or ended (Resources, TimeLimit, NodeDown, None...)
+    time_limit: str = ""  # as Slurm writes it (00:10:00, UNLIMITED)
     exit_signal: int = 0  # the signal that ended the batch script (ExitCode=0:15: 15), else 0
 
     @property
     def ended(self) -> bool:
         """No step or process of the job is left."""
-        return self.state not in QUEUED and self.state not in ("RUNNING", "COMPLETING")
+        return self.state not in (*QUEUED, "RUNNING", "COMPLETING")
 
     @property
     def why(self) -> str:
@@ -69,7 +69,7 @@ def query(job_id: str, timeout: float = BatchConfig.batch_command_timeout) -> Jo
         return None
     fields = dict(_FIELDS.findall(out.stdout))
     if out.returncode != 0 or "JobState" not in fields:
-        return JobState("", "", "") if "Invalid job id" in out.stderr else None
+        return JobState() if "Invalid job id" in out.stderr else None
     signal = fields.get("ExitCode", "0:0").partition(":")[2]
     return JobState(fields["JobState"], fields.get("Reason", ""), fields.get("TimeLimit", ""),
                     int(signal) if signal.isdigit() else 0)
@@ -87,10 +87,8 @@ def prepare_submission(config: Any, profile_dir: str) -> None:
     """The job script in the cluster's profile, not the notebook's directory; --no-requeue, so a
     node failure ends the job (NODE_FAIL, ranks dead) instead of starting engines nobody awaits."""
     slurm = config.SlurmEngineSetLauncher
-    if "batch_file_name" not in slurm:
-        slurm.batch_file_name = os.path.join(profile_dir, "slurm_engine.sbatch")
-    if "submit_command" not in slurm:
-        slurm.submit_command = ["sbatch", "--no-requeue"]
+    slurm.setdefault("batch_file_name", os.path.join(profile_dir, "slurm_engine.sbatch"))
+    slurm.setdefault("submit_command", ["sbatch", "--no-requeue"])
 
 
 def submit_error(exc: BaseException, engine_sets: Any, timeout: float) -> ClusterStartError:
@@ -127,7 +125,7 @@ class SlurmJob:
             self._asked = time.monotonic()
             answer = query(self.job_id, self.config.batch_command_timeout)
             # Slurm not answering says nothing about the job: keep the last answer
-            self._last = answer or self._last or JobState("", "", "")
+            self._last = answer or self._last or JobState()
         return self._last
 
     def while_starting(self, say: Callable[[str], None]) -> bool:
@@ -161,9 +159,8 @@ class SlurmJob:
         return (f"Slurm job {self.job_id}: {job.ending_as or job.state or 'gone'}{job.why}, "
                 f"time limit {job.time_limit or '?'}, log {self.launcher.output_file}")
 
-    def end_detail(self, job: JobState | None = None) -> str:
+    def end_detail(self, job: JobState) -> str:
         """The job's end in words, with its time limit when that is what ended it."""
-        job = job or self.state()
         state = job.ending_as or job.state
         ends = {"TIMEOUT": f"reached its time limit ({job.time_limit}) and was ended (TIMEOUT)",
                 "CANCELLED": "was cancelled (CANCELLED: scancel)",

@@ -29,15 +29,12 @@ def _preload() -> None:
         import torch.distributed  # noqa: F401
 
 
-_CRASH_LOG = None  # kept open for faulthandler
-
 USER_UMASK_ENV = "NBDIST_USER_UMASK"
 """The notebook's umask (octal): nbdist starts engines under a private one (owner-only files,
 `nbdist.cluster.processes.private_files`); the engine puts the user's back before any user code."""
 
 
 def main() -> None:
-    global _CRASH_LOG
     if umask := os.environ.pop(USER_UMASK_ENV, None):
         os.umask(int(umask, 8))
     release.install()  # first: before any thread starts (see nbdist.worker.release)
@@ -46,8 +43,8 @@ def main() -> None:
     sys.modules.setdefault("debugpy", None)  # type: ignore[assignment]
     # a segfault's Python stack goes to the engine log, which nbdist shows: ipykernel later
     # points fd 2 at a pipe whose reader thread dies with the process, so to a copy of fd 2
-    _CRASH_LOG = os.fdopen(os.dup(2), "w")
-    faulthandler.enable(file=_CRASH_LOG)
+    # (faulthandler holds the file, which keeps it open)
+    faulthandler.enable(file=os.fdopen(os.dup(2), "w"))
     threading.Thread(target=_preload, name="nbdist-preload", daemon=True).start()
     from ipyparallel.engine.app import main as engine_main
 

@@ -84,14 +84,13 @@ def _wait_for(procs: list[psutil.Process], states: set[str],
     """Those of `procs` not in one of `states` after `timeout` s (our exited children reaped)."""
     deadline, pause = time.monotonic() + timeout, 0.001
     still = list(procs)
-    while still:
+    while True:
         _gone, still = psutil.wait_procs(still, timeout=0)
         still = [p for p in still if _status(p) not in states]
         if not still or time.monotonic() > deadline:
             return still
         time.sleep(pause)
         pause = min(2 * pause, 0.02)
-    return still
 
 
 def _signal_each(procs: list[psutil.Process], sig: int) -> None:
