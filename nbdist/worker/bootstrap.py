@@ -26,7 +26,7 @@ from nbdist.worker.breakpoints import install as install_breakpoint_hook
 from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
-from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
+from nbdist.worker.setup_message import RankReady, RankSetup
 
 
 @dataclass
@@ -54,7 +54,7 @@ def probe(peer: str | None = None) -> dict[str, Any]:
     import torch
 
     me = psutil.Process()
-    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_count = torch.cuda.device_count()  # 0 without CUDA
     affinity = sorted(os.sched_getaffinity(0))
     route_address, route_interface = net.route_to(peer) if peer else (None, None)
     return {
@@ -109,7 +109,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
         if setup.cwd not in sys.path:
             sys.path.insert(0, setup.cwd)
     notes = process_group.apply_environment(setup)
-    _present_as_torchrun_worker(spec)
+    _present_as_torchrun_worker()
     device = _pin_device(setup)
     collectives.install()
     release.watch_new_groups()  # a sub-group's collective is released like the world's
@@ -132,24 +132,13 @@ def setup_rank(setup: RankSetup) -> RankReady:
                      notes=tuple(notes))
 
 
-def _present_as_torchrun_worker(spec: RankSpec) -> None:
-    """No prompts (IPython's `sys.ps1` makes Lightning refuse its multi-process strategies),
-    torchrun's environment, no engine options in argv (a pasted `parse_args()`), tqdm's console
-    bar."""
+def _present_as_torchrun_worker() -> None:
+    """No prompts (IPython's `sys.ps1` makes Lightning refuse its multi-process strategies), no
+    engine options in argv (a pasted `parse_args()`), tqdm's console bar (the environment:
+    `RankSpec.env`)."""
     for name in ("ps1", "ps2", "ps3"):
         if hasattr(sys, name):
             delattr(sys, name)
-    local_world_size = max(spec.local_world_size, 1)
-    os.environ.update({  # RANK, WORLD_SIZE, MASTER_ADDR... are the rank's since its setup
-        "GROUP_RANK": str(spec.rank // local_world_size),
-        "GROUP_WORLD_SIZE": str(max(spec.world_size // local_world_size, 1)),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(spec.rank),
-        "ROLE_WORLD_SIZE": str(spec.world_size),
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "nbdist",  # what torch.distributed.is_torchelastic_launched() reads
-    })
     sys.argv[1:] = []
     # tqdm.auto picks the console bar: N ranks' widget bars would not say which rank drew them,
     # nor show without widget state; the notebook shows each rank's console bar in place

@@ -215,7 +215,7 @@ def teardown() -> bool:
     if not is_initialized():
         # the cell destroyed the group, but a DDP model may still hold it connected
         release.shutdown_group_sockets()
-        release.forget_group_sockets()
+        release.GROUP_SOCKETS.clear()
         return False
     nccl = release.uses_nccl(dist.get_backend())
     _drop_last_traceback()
@@ -223,7 +223,7 @@ def teardown() -> bool:
     if not nccl:
         with contextlib.suppress(Exception):  # a broken group can fail to abort cleanly
             distributed_c10d._abort_process_group()
-    release.forget_group_sockets()
+    release.GROUP_SOCKETS.clear()
     with contextlib.suppress(Exception):
         distributed_c10d.destroy_process_group()
     gc.collect()
@@ -241,8 +241,7 @@ def _drop_last_traceback() -> None:
     with contextlib.suppress(Exception):
         from IPython import get_ipython
 
-        if get_ipython() is not None:
-            ipp_compat.forget_last_traceback(get_ipython())
+        ipp_compat.forget_last_traceback(get_ipython())  # None: no shell, nothing kept
 
 
 def is_initialized() -> bool:
