@@ -134,8 +134,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
 
 def _present_as_torchrun_worker() -> None:
     """No prompts (IPython's `sys.ps1` makes Lightning refuse its multi-process strategies), no
-    engine options in argv (a pasted `parse_args()`), tqdm's console bar (the environment:
-    `RankSpec.env`)."""
+    engine options in argv (a pasted `parse_args()`), tqdm's console bar."""
     for name in ("ps1", "ps2", "ps3"):
         if hasattr(sys, name):
             delattr(sys, name)
@@ -235,7 +234,7 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
 
 
 def rebuild_process_group(port: int, generation: int, master_addr: str,
-                          store_path: str | None = None) -> None:
+                          store_path: str | None) -> None:
     """Join a new generation on a fresh port, outside the rank's --memory-limit: its new threads
     must start even when a cell filled the budget."""
     assert RUNTIME.setup is not None, "setup_rank first"

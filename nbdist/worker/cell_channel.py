@@ -93,8 +93,7 @@ class CellServer:
         ipp_compat.restore_iopub(self.iopub)
         self.stream.close(linger=0)
         with self.out_lock:
-            if self.setup.notebook_process is not None:
-                self.out.disable_monitor()  # closed here on purpose: the guard stops first
+            self.out.disable_monitor()  # closed here on purpose: the guard (if any) stops first
             self.out.close(linger=0)
 
     def send_multipart(self, parts: list[Any], copy: bool = True) -> None:

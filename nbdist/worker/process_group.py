@@ -90,17 +90,16 @@ def dump_environment(current: Mapping[str, str], rank: int,
 def check_collectives(check: bool) -> list[str]:
     """torch compares every collective across ranks before it runs (TORCH_DISTRIBUTED_DEBUG=DETAIL,
     read at import: set again here); a note where DDP crashes under it."""
-    from torch._C import _distributed_c10d
+    import torch
+    import torch.distributed as dist
 
     if check:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if "TORCH_DISTRIBUTED_DEBUG" not in os.environ:
         return []
-    _distributed_c10d.set_debug_level_from_env()
-    if os.environ["TORCH_DISTRIBUTED_DEBUG"].strip().upper() != "DETAIL" or ddp_survives():
+    dist.set_debug_level_from_env()  # raises for a value other than OFF, INFO, DETAIL (any case)
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL or ddp_survives():
         return []
-    import torch
-
     return [f"collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) are on, and on torch "
             f"{torch.__version__} DistributedDataParallel crashes the process (SIGSEGV) under "
             "them: a DDP model would end its engine. Start without --check-collectives to "
@@ -196,14 +195,11 @@ def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_
         return dist.TCPStore(master_addr, port, world_size, is_master=False, timeout=timeout)
     family, _kind, _proto, _name, address = socket.getaddrinfo(
         master_addr, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(max(128, world_size))
-        # the store owns the descriptor from here on (it closes it when the generation ends)
-        return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
-                             master_listen_fd=listener.detach(),
-                             use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
+    listener = socket.create_server(address, family=family, backlog=max(128, world_size))
+    # the store owns the descriptor from here on (it closes it when the generation ends)
+    return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach(),
+                         use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
 
 
 def teardown() -> bool:
