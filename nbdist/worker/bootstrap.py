@@ -94,7 +94,7 @@ def launcher_local_id(environ: Mapping[str, str]) -> int | None:
 
 
 def setup_rank(setup: RankSetup) -> RankReady:
-    """Environment, threads, device, notebook names, hooks, telemetry, then the process group."""
+    """Environment, threads, device, notebook names, telemetry, hooks, then the process group."""
     import torch
     import torch.distributed as dist
     from IPython import get_ipython
@@ -118,12 +118,13 @@ def setup_rank(setup: RankSetup) -> RankReady:
     shell.user_ns.update(
         rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank, device=device,
         gpus=[torch.device("cuda", index) for index in spec.gpus], dist=dist, torch=torch)
-    for event, hook in (("pre_run_cell", _pre_run_cell), ("post_run_cell", _post_run_cell)):
-        if hook not in shell.events.callbacks[event]:
-            shell.events.register(event, hook)
     tracebacks.install(shell)
     RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
     install_breakpoint_hook(RUNTIME.agent)
+    # registered once RUNTIME has its setup and agent: the hooks never see None there
+    for event, hook in (("pre_run_cell", _pre_run_cell), ("post_run_cell", _post_run_cell)):
+        if hook not in shell.events.callbacks[event]:
+            shell.events.register(event, hook)
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
     process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
@@ -211,8 +212,7 @@ def _pre_run_cell(*_: Any) -> None:
     TIMING.cell_started()
     pasted_code.STATE.cell_started()
     profiling.cell_started()  # a profiled cell's window starts here, not at the profiler's start
-    if RUNTIME.agent is not None:
-        RUNTIME.agent.cell_started()
+    RUNTIME.agent.cell_started()
 
 
 def _post_run_cell(result: Any = None, *_: Any) -> None:
@@ -223,12 +223,11 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
     try:
         setup = RUNTIME.setup
         # gloo only: NCCL's record completes when its watchdog looks, nothing to wait for
-        if setup is not None and setup.spec.backend == "gloo":
+        if setup.spec.backend == "gloo":
             flight_recorder.wait_for_in_flight(setup.config.faults.cell_end_collective_wait)
         collectives.TRACKER.cell_failed(getattr(result, "error_in_exec", None))
         profiling.cell_finished()
-        if RUNTIME.agent is not None:
-            RUNTIME.agent.cell_finished()
+        RUNTIME.agent.cell_finished()
     finally:
         sys.settrace(tracer)
 

@@ -84,9 +84,7 @@ class RankPdb(CapturedPdb):
         server = cell_channel.SERVER
         if not self.agent.cell_running or server is None:
             return "c\n"
-        text = self.take_output()
-        if text.endswith(self.prompt):
-            text = text[: -len(self.prompt)]
+        text = self.take_output().removesuffix(self.prompt)
         seq = f"{os.getpid()}-{next(_SEQ)}"  # never an answer left from an earlier engine
         self.publish(text, seq)
         line = server.wait_for_answer(seq)

@@ -65,21 +65,20 @@ class CellServer:
         context = zmq.Context.instance()
         public, secret = zmq.curve_keypair() if setup.notebook_key else (None, None)
         self.requests = context.socket(zmq.ROUTER)
-        out = context.socket(zmq.PUSH)
-        for socket in (self.requests, out):
+        self.out = context.socket(zmq.PUSH)
+        for socket in (self.requests, self.out):
             socket.linger = 0
             if secret is not None:
                 socket.curve_publickey, socket.curve_secretkey = public, secret
         if secret is not None:
             self.requests.curve_server = True
-            out.curve_serverkey = setup.notebook_key
+            self.out.curve_serverkey = setup.notebook_key
         port = self.requests.bind_to_random_port(f"tcp://{setup.bind_host}")
         self.endpoint = ChannelEndpoint(f"tcp://{setup.bind_host}:{port}", public)
-        out.sndhwm = 100_000
+        self.out.sndhwm = 100_000
         if setup.notebook_process is not None:  # watched from before its first connection
-            orphan_guard.guard(out, setup.notebook_process, orphan_grace)
-        out.connect(setup.notebook_address)
-        self.out = out
+            orphan_guard.guard(self.out, setup.notebook_process, orphan_grace)
+        self.out.connect(setup.notebook_address)
         self.out_lock = threading.Lock()
         self.loop = IOLoop.current()
         self.idents: list[bytes] | None = None  # the running cell's token and rank

@@ -136,22 +136,20 @@ def init_generation(setup: Any) -> None:
     os.environ.update(MASTER_ADDR=setup.master_addr, MASTER_PORT=str(setup.port))
     spec, store_path, timeout_s = setup.spec, setup.store_path, setup.process_group_timeout
     rank, world_size, nccl = spec.rank, spec.world_size, spec.backend == "nccl"
-    kwargs: dict[str, Any] = {}
-    if nccl and len(spec.gpus) == 1:
-        # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be
-        # free to run collectives on any of them
-        kwargs["device_id"] = torch.device(spec.device)
+    # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be free
+    # to run collectives on any of them
+    device_id = torch.device(spec.device) if nccl and len(spec.gpus) == 1 else None
     if store_path is not None:
         # torch creates the file with the user's umask; created first, owner-only, it stays so
         os.close(os.open(store_path, os.O_WRONLY | os.O_CREAT, 0o600))
-        kwargs["store"] = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(store_path, world_size)
     else:
-        kwargs["store"] = _tcp_store(setup.master_addr, setup.port, rank, world_size, timeout_s)
+        store = _tcp_store(setup.master_addr, setup.port, rank, world_size, timeout_s)
     with release.recording_sockets():
         # torch's own function: `dist.init_process_group` is the cells' wrapper (pasted_code)
         distributed_c10d.init_process_group(
-            backend=torch_backend(spec.backend), rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+            backend=torch_backend(spec.backend), rank=rank, world_size=world_size, store=store,
+            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
         check = torch.full((1,), rank + 1.0, device=spec.device if nccl else "cpu")
         dist.all_reduce(check)
     expected = world_size * (world_size + 1) / 2
