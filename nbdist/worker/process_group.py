@@ -169,11 +169,10 @@ def sequence_numbers() -> dict[str, int]:
     every rank between cells unless one queued a collective its peers never reached."""
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
     if not is_initialized():
         return {}
-    group = distributed_c10d._get_default_group()
+    group = dist.group.WORLD
     found: dict[str, int] = {}
     for device in dist.get_backend_config().split(","):
         kind = device.split(":")[0].strip()
