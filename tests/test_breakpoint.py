@@ -95,8 +95,8 @@ def test_without_the_channel_or_outside_the_main_thread_it_says_why(cluster2, mo
     result = cluster2.run(
         "import threading\nfrom nbdist.worker import cell_channel\n"
         "worker = threading.Thread(target=breakpoint)\nworker.start(); worker.join()\n"
-        "saved, cell_channel._SERVER = cell_channel._SERVER, None\n"
-        "try:\n    breakpoint()\nfinally:\n    cell_channel._SERVER = saved\n",
+        "saved, cell_channel.SERVER = cell_channel.SERVER, None\n"
+        "try:\n    breakpoint()\nfinally:\n    cell_channel.SERVER = saved\n",
         ranks=[1], timeout=30)
     result.raise_for_errors()
     assert prompts == []

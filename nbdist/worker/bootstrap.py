@@ -26,7 +26,7 @@ from nbdist.worker.breakpoints import install as install_breakpoint_hook
 from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
-from nbdist.worker.setup_message import RankReady, RankSetup, RankSpec
+from nbdist.worker.setup_message import RankReady, RankSetup
 
 
 @dataclass
@@ -54,7 +54,7 @@ def probe(peer: str | None = None) -> dict[str, Any]:
     import torch
 
     me = psutil.Process()
-    gpu_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    gpu_count = torch.cuda.device_count()  # 0 without CUDA
     affinity = sorted(os.sched_getaffinity(0))
     route_address, route_interface = net.route_to(peer) if peer else (None, None)
     return {
@@ -94,7 +94,7 @@ def launcher_local_id(environ: Mapping[str, str]) -> int | None:
 
 
 def setup_rank(setup: RankSetup) -> RankReady:
-    """Environment, threads, device, notebook names, hooks, telemetry, then the process group."""
+    """Environment, threads, device, notebook names, telemetry, hooks, then the process group."""
     import torch
     import torch.distributed as dist
     from IPython import get_ipython
@@ -109,7 +109,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
         if setup.cwd not in sys.path:
             sys.path.insert(0, setup.cwd)
     notes = process_group.apply_environment(setup)
-    _present_as_torchrun_worker(spec)
+    _present_as_torchrun_worker()
     device = _pin_device(setup)
     collectives.install()
     release.watch_new_groups()  # a sub-group's collective is released like the world's
@@ -118,12 +118,13 @@ def setup_rank(setup: RankSetup) -> RankReady:
     shell.user_ns.update(
         rank=spec.rank, world_size=spec.world_size, local_rank=spec.local_rank, device=device,
         gpus=[torch.device("cuda", index) for index in spec.gpus], dist=dist, torch=torch)
-    for event, hook in (("pre_run_cell", _pre_run_cell), ("post_run_cell", _post_run_cell)):
-        if hook not in shell.events.callbacks[event]:
-            shell.events.register(event, hook)
     tracebacks.install(shell)
     RUNTIME.agent = _start_telemetry(shell, spec.rank, config, device)
     install_breakpoint_hook(RUNTIME.agent)
+    # registered once RUNTIME has its setup and agent: the hooks never see None there
+    for event, hook in (("pre_run_cell", _pre_run_cell), ("post_run_cell", _post_run_cell)):
+        if hook not in shell.events.callbacks[event]:
+            shell.events.register(event, hook)
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
     process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
@@ -132,24 +133,12 @@ def setup_rank(setup: RankSetup) -> RankReady:
                      notes=tuple(notes))
 
 
-def _present_as_torchrun_worker(spec: RankSpec) -> None:
-    """No prompts (IPython's `sys.ps1` makes Lightning refuse its multi-process strategies),
-    torchrun's environment, no engine options in argv (a pasted `parse_args()`), tqdm's console
-    bar."""
+def _present_as_torchrun_worker() -> None:
+    """No prompts (IPython's `sys.ps1` makes Lightning refuse its multi-process strategies), no
+    engine options in argv (a pasted `parse_args()`), tqdm's console bar."""
     for name in ("ps1", "ps2", "ps3"):
         if hasattr(sys, name):
             delattr(sys, name)
-    local_world_size = max(spec.local_world_size, 1)
-    os.environ.update({  # RANK, WORLD_SIZE, MASTER_ADDR... are the rank's since its setup
-        "GROUP_RANK": str(spec.rank // local_world_size),
-        "GROUP_WORLD_SIZE": str(max(spec.world_size // local_world_size, 1)),
-        "ROLE_NAME": "default",
-        "ROLE_RANK": str(spec.rank),
-        "ROLE_WORLD_SIZE": str(spec.world_size),
-        "TORCHELASTIC_RESTART_COUNT": "0",
-        "TORCHELASTIC_MAX_RESTARTS": "0",
-        "TORCHELASTIC_RUN_ID": "nbdist",  # what torch.distributed.is_torchelastic_launched() reads
-    })
     sys.argv[1:] = []
     # tqdm.auto picks the console bar: N ranks' widget bars would not say which rank drew them,
     # nor show without widget state; the notebook shows each rank's console bar in place
@@ -223,8 +212,7 @@ def _pre_run_cell(*_: Any) -> None:
     TIMING.cell_started()
     pasted_code.STATE.cell_started()
     profiling.cell_started()  # a profiled cell's window starts here, not at the profiler's start
-    if RUNTIME.agent is not None:
-        RUNTIME.agent.cell_started()
+    RUNTIME.agent.cell_started()
 
 
 def _post_run_cell(result: Any = None, *_: Any) -> None:
@@ -235,18 +223,17 @@ def _post_run_cell(result: Any = None, *_: Any) -> None:
     try:
         setup = RUNTIME.setup
         # gloo only: NCCL's record completes when its watchdog looks, nothing to wait for
-        if setup is not None and setup.spec.backend == "gloo":
+        if setup.spec.backend == "gloo":
             flight_recorder.wait_for_in_flight(setup.config.faults.cell_end_collective_wait)
         collectives.TRACKER.cell_failed(getattr(result, "error_in_exec", None))
         profiling.cell_finished()
-        if RUNTIME.agent is not None:
-            RUNTIME.agent.cell_finished()
+        RUNTIME.agent.cell_finished()
     finally:
         sys.settrace(tracer)
 
 
 def rebuild_process_group(port: int, generation: int, master_addr: str,
-                          store_path: str | None = None) -> None:
+                          store_path: str | None) -> None:
     """Join a new generation on a fresh port, outside the rank's --memory-limit: its new threads
     must start even when a cell filled the budget."""
     assert RUNTIME.setup is not None, "setup_rank first"

@@ -32,19 +32,17 @@ def hook(*_args: Any, **_kwargs: Any) -> None:
     """Stop the caller at a notebook-driven pdb, or say in one line why this rank cannot."""
     if _AGENT is None:
         return
-    why = None
-    if cell_channel.server() is None:
+    if cell_channel.SERVER is None:
         why = "the rank has no cell channel to the notebook"
     elif threading.current_thread() is not threading.main_thread():
         why = (f"only a cell's main thread can stop (this is thread "
                f"{threading.current_thread().name!r})")
     elif not _AGENT.cell_running:
         why = "no %%distributed cell is running to answer it"
-    if why:
-        print(f"nbdist: rank {_AGENT.rank}: breakpoint() skipped: {why}", file=sys.stderr,
-              flush=True)
+    else:
+        RankPdb(_AGENT).set_trace(sys._getframe(1))
         return
-    RankPdb(_AGENT).set_trace(sys._getframe(1))
+    print(f"nbdist: rank {_AGENT.rank}: breakpoint() skipped: {why}", file=sys.stderr, flush=True)
 
 
 class RankPdb(CapturedPdb):
@@ -83,12 +81,10 @@ class RankPdb(CapturedPdb):
                              "seq": seq}})
 
     def readline(self) -> str:
-        server = cell_channel.server()
+        server = cell_channel.SERVER
         if not self.agent.cell_running or server is None:
             return "c\n"
-        text = self.take_output()
-        if text.endswith(self.prompt):
-            text = text[: -len(self.prompt)]
+        text = self.take_output().removesuffix(self.prompt)
         seq = f"{os.getpid()}-{next(_SEQ)}"  # never an answer left from an earlier engine
         self.publish(text, seq)
         line = server.wait_for_answer(seq)

@@ -65,21 +65,20 @@ class CellServer:
         context = zmq.Context.instance()
         public, secret = zmq.curve_keypair() if setup.notebook_key else (None, None)
         self.requests = context.socket(zmq.ROUTER)
-        out = context.socket(zmq.PUSH)
-        for socket in (self.requests, out):
+        self.out = context.socket(zmq.PUSH)
+        for socket in (self.requests, self.out):
             socket.linger = 0
             if secret is not None:
                 socket.curve_publickey, socket.curve_secretkey = public, secret
         if secret is not None:
             self.requests.curve_server = True
-            out.curve_serverkey = setup.notebook_key
+            self.out.curve_serverkey = setup.notebook_key
         port = self.requests.bind_to_random_port(f"tcp://{setup.bind_host}")
         self.endpoint = ChannelEndpoint(f"tcp://{setup.bind_host}:{port}", public)
-        out.sndhwm = 100_000
+        self.out.sndhwm = 100_000
         if setup.notebook_process is not None:  # watched from before its first connection
-            orphan_guard.guard(out, setup.notebook_process, orphan_grace)
-        out.connect(setup.notebook_address)
-        self.out = out
+            orphan_guard.guard(self.out, setup.notebook_process, orphan_grace)
+        self.out.connect(setup.notebook_address)
         self.out_lock = threading.Lock()
         self.loop = IOLoop.current()
         self.idents: list[bytes] | None = None  # the running cell's token and rank
@@ -93,24 +92,22 @@ class CellServer:
         ipp_compat.restore_iopub(self.iopub)
         self.stream.close(linger=0)
         with self.out_lock:
-            if self.setup.notebook_process is not None:
-                self.out.disable_monitor()  # closed here on purpose: the guard stops first
+            self.out.disable_monitor()  # closed here on purpose: the guard (if any) stops first
             self.out.close(linger=0)
 
-    def send_multipart(self, parts: list[Any], *_args: Any, **_kwargs: Any) -> None:
+    def send_multipart(self, parts: list[Any], copy: bool = True) -> None:
         """The PUSH, from the main, IOPub and telemetry threads: one at a time, never blocking (a
         notebook that stopped listening loses the message, not the rank)."""
         import zmq
 
         with self.out_lock, contextlib.suppress(zmq.Again):
             # Session.send asks for no copy when a frame is large (a pulled tensor)
-            self.out.send_multipart(parts, flags=zmq.NOBLOCK, copy=_kwargs.get("copy", True))
+            self.out.send_multipart(parts, flags=zmq.NOBLOCK, copy=copy)
 
     def _parse(self, frames: list[Any]) -> dict[str, Any] | None:
-        try:
-            copy = isinstance(frames[0], bytes)  # zmq Frames: a pushed tensor is not copied
-            _idents, msg_list = self.session.feed_identities(frames, copy=copy)
-            return self.session.deserialize(msg_list, copy=copy)
+        try:  # zmq Frames: a pushed tensor is not copied
+            _idents, msg_list = self.session.feed_identities(frames, copy=False)
+            return self.session.deserialize(msg_list, copy=False)
         except Exception as exc:  # unsigned or malformed: not from this cluster's notebook
             print(f"nbdist: refused a request on the cell channel: {exc}", file=sys.__stderr__)
             return None
@@ -198,7 +195,7 @@ class CellServer:
         while True:
             if not self.requests.poll(ANSWER_POLL_MS):
                 continue
-            request = self._parse(self.requests.recv_multipart(zmq.NOBLOCK))
+            request = self._parse(self.requests.recv_multipart(zmq.NOBLOCK, copy=False))
             if request is None:
                 continue
             if request["header"]["msg_type"] != PDB_ANSWER:
@@ -252,20 +249,16 @@ def _failed(exc: BaseException) -> dict[str, Any]:
             "evalue": f"the cell channel failed: {type(exc).__name__}: {exc}"}
 
 
-_SERVER: CellServer | None = None
+SERVER: CellServer | None = None  # this engine's, once a setup opened it
 
 
 def open_channel(rank: int, setup: ChannelSetup, orphan_grace: float) -> ChannelEndpoint:
     """Listen for cells: once per engine, anew for a new setup (a new notebook-side cluster)."""
-    global _SERVER
-    if _SERVER is not None and _SERVER.setup != setup:
-        _SERVER.close()
-        _SERVER = None
-    if _SERVER is None:
-        _SERVER = CellServer(rank, setup, orphan_grace)
-    _SERVER.rank = rank
-    return _SERVER.endpoint
-
-
-def server() -> CellServer | None:
-    return _SERVER
+    global SERVER
+    if SERVER is not None and SERVER.setup != setup:
+        SERVER.close()
+        SERVER = None
+    if SERVER is None:
+        SERVER = CellServer(rank, setup, orphan_grace)
+    SERVER.rank = rank
+    return SERVER.endpoint

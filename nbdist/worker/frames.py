@@ -93,15 +93,14 @@ class _Unpickler(pickle.Unpickler):
 
 def _tensor(data: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool,
             parameter: bool, device: Any = None) -> Any:
+    import numpy
     import torch
 
     kind = getattr(torch, dtype.removeprefix("torch."))
     if memoryview(data).readonly:  # received as bytes: torch must not write into those
         data = bytearray(data)
-    if len(data):  # torch.frombuffer refuses an empty buffer
-        tensor = torch.frombuffer(data, dtype=torch.uint8).view(kind).reshape(shape)
-    else:
-        tensor = torch.empty(shape, dtype=kind)
+    # numpy takes an empty buffer too (torch.frombuffer refuses one)
+    tensor = torch.from_numpy(numpy.frombuffer(data, numpy.uint8)).view(kind).reshape(shape)
     return _placed(tensor, requires_grad, parameter, device)
 
 

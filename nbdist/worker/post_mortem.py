@@ -43,14 +43,12 @@ class PostMortem(CapturedPdb):
         self.prompt = ""
         self.reset()
         self.setup(None, first_cell_frame(traceback) or traceback)
+        self.print_stack_entry(self.stack[self.curindex])  # as pdb shows the frame on entry
 
-    def run_command(self, command: str | None) -> str:
-        """What `command` printed; None: the frame the session is in, as pdb shows it on entry."""
+    def run_command(self, command: str) -> str:
+        """What `command` printed."""
         self.take_output()
-        if command is None:
-            self.print_stack_entry(self.stack[self.curindex])
-        else:
-            self.onecmd(command)
+        self.onecmd(command)
         return self.take_output()
 
 
@@ -64,17 +62,16 @@ def start() -> dict[str, Any]:
     # what IPython saved, or the copy the process group's teardown kept when it cleared that
     exc = (getattr(sys, "last_exc", None) or getattr(sys, "last_value", None)
            or process_group.KEPT_ERROR)
-    tb = None if exc is None else exc.__traceback__
-    error = "" if exc is None else f"{type(exc).__name__}: {exc}"
-    if tb is None:
+    if exc is None or exc.__traceback__ is None:
         return {"ok": False, "error": "", "text": "no traceback to debug on this rank (its last "
                 "cell did not fail, or the traceback was dropped when its process group was "
                 "torn down)"}
-    if first_cell_frame(tb) is None:
+    error = f"{type(exc).__name__}: {exc}"
+    if first_cell_frame(exc.__traceback__) is None:
         return {"ok": False, "error": "", "text": f"the last error on this rank ({error}) "
                 "was not raised in a cell"}
-    _SESSION = PostMortem(tb)
-    return {"ok": True, "error": error, "text": _SESSION.run_command(None)}
+    _SESSION = PostMortem(exc.__traceback__)
+    return {"ok": True, "error": error, "text": _SESSION.take_output()}
 
 
 def command(line: str) -> dict[str, Any]:

@@ -90,17 +90,16 @@ def dump_environment(current: Mapping[str, str], rank: int,
 def check_collectives(check: bool) -> list[str]:
     """torch compares every collective across ranks before it runs (TORCH_DISTRIBUTED_DEBUG=DETAIL,
     read at import: set again here); a note where DDP crashes under it."""
-    from torch._C import _distributed_c10d
+    import torch
+    import torch.distributed as dist
 
     if check:
         os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
     if "TORCH_DISTRIBUTED_DEBUG" not in os.environ:
         return []
-    _distributed_c10d.set_debug_level_from_env()
-    if os.environ["TORCH_DISTRIBUTED_DEBUG"].strip().upper() != "DETAIL" or ddp_survives():
+    dist.set_debug_level_from_env()  # raises for a value other than OFF, INFO, DETAIL (any case)
+    if dist.get_debug_level() != dist.DebugLevel.DETAIL or ddp_survives():
         return []
-    import torch
-
     return [f"collective checks (TORCH_DISTRIBUTED_DEBUG=DETAIL) are on, and on torch "
             f"{torch.__version__} DistributedDataParallel crashes the process (SIGSEGV) under "
             "them: a DDP model would end its engine. Start without --check-collectives to "
@@ -137,22 +136,20 @@ def init_generation(setup: Any) -> None:
     os.environ.update(MASTER_ADDR=setup.master_addr, MASTER_PORT=str(setup.port))
     spec, store_path, timeout_s = setup.spec, setup.store_path, setup.process_group_timeout
     rank, world_size, nccl = spec.rank, spec.world_size, spec.backend == "nccl"
-    kwargs: dict[str, Any] = {}
-    if nccl and len(spec.gpus) == 1:
-        # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be
-        # free to run collectives on any of them
-        kwargs["device_id"] = torch.device(spec.device)
+    # binds the group to that GPU (eager NCCL init); a rank spanning several GPUs must be free
+    # to run collectives on any of them
+    device_id = torch.device(spec.device) if nccl and len(spec.gpus) == 1 else None
     if store_path is not None:
         # torch creates the file with the user's umask; created first, owner-only, it stays so
         os.close(os.open(store_path, os.O_WRONLY | os.O_CREAT, 0o600))
-        kwargs["store"] = dist.FileStore(store_path, world_size)
+        store = dist.FileStore(store_path, world_size)
     else:
-        kwargs["store"] = _tcp_store(setup.master_addr, setup.port, rank, world_size, timeout_s)
+        store = _tcp_store(setup.master_addr, setup.port, rank, world_size, timeout_s)
     with release.recording_sockets():
         # torch's own function: `dist.init_process_group` is the cells' wrapper (pasted_code)
         distributed_c10d.init_process_group(
-            backend=torch_backend(spec.backend), rank=rank, world_size=world_size,
-            timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+            backend=torch_backend(spec.backend), rank=rank, world_size=world_size, store=store,
+            timeout=datetime.timedelta(seconds=timeout_s), device_id=device_id)
         check = torch.full((1,), rank + 1.0, device=spec.device if nccl else "cpu")
         dist.all_reduce(check)
     expected = world_size * (world_size + 1) / 2
@@ -172,11 +169,10 @@ def sequence_numbers() -> dict[str, int]:
     every rank between cells unless one queued a collective its peers never reached."""
     import torch
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
     if not is_initialized():
         return {}
-    group = distributed_c10d._get_default_group()
+    group = dist.group.WORLD
     found: dict[str, int] = {}
     for device in dist.get_backend_config().split(","):
         kind = device.split(":")[0].strip()
@@ -196,14 +192,11 @@ def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_
         return dist.TCPStore(master_addr, port, world_size, is_master=False, timeout=timeout)
     family, _kind, _proto, _name, address = socket.getaddrinfo(
         master_addr, port, type=socket.SOCK_STREAM)[0]
-    with socket.socket(family, socket.SOCK_STREAM) as listener:
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind(address)
-        listener.listen(max(128, world_size))
-        # the store owns the descriptor from here on (it closes it when the generation ends)
-        return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
-                             master_listen_fd=listener.detach(),
-                             use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
+    listener = socket.create_server(address, family=family, backlog=max(128, world_size))
+    # the store owns the descriptor from here on (it closes it when the generation ends)
+    return dist.TCPStore(master_addr, port, world_size, is_master=True, timeout=timeout,
+                         master_listen_fd=listener.detach(),
+                         use_libuv=torch_support.has("tcpstore-libuv-listen-fd"))
 
 
 def teardown() -> bool:
@@ -215,7 +208,7 @@ def teardown() -> bool:
     if not is_initialized():
         # the cell destroyed the group, but a DDP model may still hold it connected
         release.shutdown_group_sockets()
-        release.forget_group_sockets()
+        release.GROUP_SOCKETS.clear()
         return False
     nccl = release.uses_nccl(dist.get_backend())
     _drop_last_traceback()
@@ -223,7 +216,7 @@ def teardown() -> bool:
     if not nccl:
         with contextlib.suppress(Exception):  # a broken group can fail to abort cleanly
             distributed_c10d._abort_process_group()
-    release.forget_group_sockets()
+    release.GROUP_SOCKETS.clear()
     with contextlib.suppress(Exception):
         distributed_c10d.destroy_process_group()
     gc.collect()
@@ -241,8 +234,7 @@ def _drop_last_traceback() -> None:
     with contextlib.suppress(Exception):
         from IPython import get_ipython
 
-        if get_ipython() is not None:
-            ipp_compat.forget_last_traceback(get_ipython())
+        ipp_compat.forget_last_traceback(get_ipython())  # None: no shell, nothing kept
 
 
 def is_initialized() -> bool:

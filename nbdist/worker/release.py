@@ -24,7 +24,7 @@ report_hook: Callable[[], None] | None = None
 _SIGNALS: set[int] = {RELEASE_SIGNAL, REPORT_SIGNAL}
 
 INSTALLED = False
-_GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never touched
+GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never touched
 
 
 def install() -> None:
@@ -66,7 +66,7 @@ def recording_sockets() -> Iterator[None]:
     before = socket_fds()
     yield
     after = socket_fds()
-    _GROUP_SOCKETS.update({fd: inode for fd, inode in after.items() if before.get(fd) != inode})
+    GROUP_SOCKETS.update({fd: inode for fd, inode in after.items() if before.get(fd) != inode})
 
 
 def watch_new_groups() -> None:
@@ -79,10 +79,6 @@ def watch_new_groups() -> None:
         recorded = recording_sockets()(create)  # a fresh context per call (ContextDecorator)
         recorded.__nbdist_original__ = create  # type: ignore[attr-defined]
         distributed_c10d._new_process_group_helper = recorded
-
-
-def forget_group_sockets() -> None:
-    _GROUP_SOCKETS.clear()
 
 
 def uses_nccl(backend: str) -> bool:
@@ -107,7 +103,7 @@ def shutdown_group_sockets() -> None:
     """Shut down the groups' connected sockets (never a listener: gloo ends the process if its
     listener breaks), so peers fail even while a DDP model or a traceback holds the group."""
     current = socket_fds()
-    for fd, inode in sorted(_GROUP_SOCKETS.items()):
+    for fd, inode in sorted(GROUP_SOCKETS.items()):
         if current.get(fd) != inode:  # closed since (the group was destroyed); fd may be reused
             continue
         with contextlib.suppress(OSError):

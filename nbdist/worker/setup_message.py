@@ -27,12 +27,20 @@ class RankSpec:
         return f"cuda:{self.gpus[0]}" if self.gpus else "cpu"
 
     def env(self, master_addr: str, master_port: int) -> dict[str, str]:
+        """The environment torchrun gives its worker."""
         return {
             "RANK": str(self.rank),
             "LOCAL_RANK": str(self.local_rank),
             "WORLD_SIZE": str(self.world_size),
             "LOCAL_WORLD_SIZE": str(self.local_world_size),
-            "GROUP_RANK": "0",
+            "GROUP_RANK": str(self.rank // self.local_world_size),
+            "GROUP_WORLD_SIZE": str(self.world_size // self.local_world_size),
+            "ROLE_NAME": "default",
+            "ROLE_RANK": str(self.rank),
+            "ROLE_WORLD_SIZE": str(self.world_size),
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
+            "TORCHELASTIC_RUN_ID": "nbdist",  # what dist.is_torchelastic_launched() reads
             "MASTER_ADDR": master_addr,
             "MASTER_PORT": str(master_port),
         }
