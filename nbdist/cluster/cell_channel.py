@@ -189,12 +189,7 @@ class NotebookChannel:
 
     def receive(self, timeout: float) -> list[ChannelMessage]:
         """Whatever arrived for the cell runner within `timeout` s (as soon as something did)."""
-        messages = []
-        while True:
-            try:
-                messages.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        messages = [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]  # one reader
         if not self._held:
             if messages or timeout <= 0:
                 return messages
@@ -241,14 +236,12 @@ class NotebookChannel:
             if msg["header"]["msg_type"] not in COMM_TYPES:
                 if message.token:
                     deliver(message)
-                continue
-            handler = self.on_comm
-            try:
-                if handler is not None:
+            elif (handler := self.on_comm) is not None:
+                try:
                     handler(message)
-            except Exception as exc:  # a widget's trouble never stops the channel
-                print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
-                      file=sys.__stderr__)
+                except Exception as exc:  # a widget's trouble never stops the channel
+                    print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
+                          file=sys.__stderr__)
 
     def close(self) -> None:
         """Close it after the ranks stopped: those nbdist started end themselves once the PULL

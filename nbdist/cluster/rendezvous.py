@@ -70,8 +70,8 @@ class Rendezvous:
         --interface, the controller's when it runs here, or the one it reaches a rank by."""
         if not self.spans_hosts:
             return "127.0.0.1"
-        if self.interface is not None and net.interface_ipv4(self.interface):
-            return str(net.interface_ipv4(self.interface))
+        if self.interface is not None and (address := net.interface_ipv4(self.interface)):
+            return str(address)
         controller = controller_host(client)
         if controller in {a for found in net.ipv4_addresses().values() for a in found}:
             return str(controller)
