@@ -63,8 +63,6 @@ class NotebookChannel:
         port = pull.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
         self._pull = pull  # the reader thread's, or the main thread's while it holds it
-        self._poller = zmq.Poller()
-        self._poller.register(pull, zmq.POLLIN)
         self._held = False
         self._holds = 0
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
@@ -198,7 +196,7 @@ class NotebookChannel:
             except queue.Empty:
                 return []
         wait = 0 if messages else max(0, int(timeout * 1000))
-        if self._poller.poll(wait):
+        if self._pull.poll(wait):
             self._drain(messages.append)
         return messages
 
