@@ -64,18 +64,15 @@ class Liveness:
         return newly_dead
 
     def _exit_detail(self, proc: RankProcess) -> str | None:
+        """Why this rank's engine is gone; None while it runs and the controller lists it."""
         if not self.cluster.launch_mode.pid_is_here(proc):
             return None if self.cluster.is_registered(proc.spec.engine_id) else _lost_detail(proc)
-        with self._lock:
-            code = self._exit_codes.get(proc.pid, "missing")
-        if code == "missing":
-            if same_process(proc.pid, proc.create_time) is None:
-                code = self._wait_exit_code(proc.pid)
-            elif self.cluster.is_registered(proc.spec.engine_id):
+        if same_process(proc.pid, proc.create_time) is not None:
+            if self.cluster.is_registered(proc.spec.engine_id):
                 return None
-            else:  # running but the controller dropped it: unusable, end it
-                self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)
-                return "unregistered from the controller"
+            self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)  # dropped: unusable, end it
+            return "unregistered from the controller"
+        code = self._wait_exit_code(proc.pid)  # recorded already, or a moment after the reaping
         if not isinstance(code, int):
             return "exited (exit status unknown)"
         if code >= 0:
