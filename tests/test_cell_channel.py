@@ -87,7 +87,7 @@ def test_a_cell_gives_the_same_outcome_as_through_ipyparallel(cluster2):
 def test_cells_do_not_pass_through_the_controller(cluster2):
     """With ipyparallel's controller frozen, a cell still runs and answers: the proof that it
     took the other way (through the controller it would hang)."""
-    controller = psutil.Process(cluster2._controller_pid[0])
+    controller = psutil.Process(cluster2._processes.controller[0])
     family = [controller, *controller.children(recursive=True)]  # its schedulers forward cells
     for proc in family:
         proc.suspend()

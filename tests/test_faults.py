@@ -280,7 +280,7 @@ def test_row8_segfault_is_reported_with_its_signal(cluster: Cluster):
 
 
 def test_row9_controller_killed(cluster: Cluster, assert_all_gone):
-    controller_pid = cluster._controller_pid[0]
+    controller_pid = cluster._processes.controller[0]
     # its schedulers and heart monitor are forked children: orphaned by the kill, they must
     # still be stopped (they were left running before: 8 per kill)
     children = [c.pid for c in psutil.Process(controller_pid).children(recursive=True)]
@@ -396,7 +396,7 @@ def test_row10_kernel_killed_after_its_controller_leaves_no_orphans(tmp_path, as
         "import time\n"
         "from nbdist import Cluster\n"
         "c = Cluster(n=2).start()\n"
-        "print(c._controller_pid[0], *c.all_pids(), flush=True)\n"
+        "print(c._processes.controller[0], *c.all_pids(), flush=True)\n"
         "time.sleep(600)\n"
     )
     family: list[int] = []

@@ -117,7 +117,7 @@ def test_the_limit_is_applied_in_every_rank_and_nowhere_else(limited):
         assert _data_limit(limited.ranks[rank].pid) == str(soft)
     # the notebook (this process), the controller and the engines' nannies are not limited
     assert resource.getrlimit(resource.RLIMIT_DATA)[0] == resource.RLIM_INFINITY
-    assert _data_limit(limited._controller_pid[0]) == "unlimited"
+    assert _data_limit(limited._processes.controller[0]) == "unlimited"
     for proc in limited.ranks:
         assert _data_limit(psutil.Process(proc.pid).ppid()) == "unlimited"
 

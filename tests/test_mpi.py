@@ -48,7 +48,7 @@ def test_mpiexec_started_the_engines_and_they_form_a_group(mpi_cluster: Cluster)
     assert sorted(m[0] for m in mpi.values()) == [0, 1, 2, 3] and {m[1] for m in mpi.values()} == {4}
     assert mpi_cluster.pull("t") == {r: torch.tensor([10.0]) for r in range(4)}
     # one launcher process (mpiexec) on this machine, the engines below it
-    launchers = mpi_cluster._launchers()
+    launchers = mpi_cluster.launch_mode.launchers()
     assert len(launchers) == 1 and "mpiexec" in " ".join(psutil.Process(launchers[0].pid).cmdline())
     descendants = {c.pid for c in psutil.Process(launchers[0].pid).children(recursive=True)}
     assert {p.pid for p in mpi_cluster.ranks} <= descendants
@@ -58,7 +58,7 @@ def test_mpiexec_started_the_engines_and_they_form_a_group(mpi_cluster: Cluster)
 
 def test_a_killed_rank_is_reported_and_restart_relaunches_mpiexec(mpi_cluster: Cluster, assert_all_gone):
     old_pids = {p.pid for p in mpi_cluster.ranks}
-    old_launcher = mpi_cluster._launchers()[0].pid
+    old_launcher = mpi_cluster.launch_mode.launchers()[0].pid
     os.kill(mpi_cluster.ranks[1].pid, signal.SIGKILL)
     deadline = time.monotonic() + 20
     while mpi_cluster.ranks[1].state != "dead":
@@ -68,7 +68,7 @@ def test_a_killed_rank_is_reported_and_restart_relaunches_mpiexec(mpi_cluster: C
     assert "signal 9" in mpi_cluster.ranks[1].exit_detail or "exit" in mpi_cluster.ranks[1].exit_detail
     mpi_cluster.restart()
     assert not {p.pid for p in mpi_cluster.ranks} & old_pids
-    assert mpi_cluster._launchers()[0].pid != old_launcher
+    assert mpi_cluster.launch_mode.launchers()[0].pid != old_launcher
     assert_all_gone(sorted(old_pids | {old_launcher}))
     mpi_cluster.run("t = torch.ones(1)\ndist.all_reduce(t)", timeout=60).raise_for_errors()
     assert mpi_cluster.pull("t") == {r: torch.tensor([4.0]) for r in range(4)}

@@ -108,8 +108,8 @@ def test_four_ranks_across_two_hosts(cluster: Cluster, network: Network):
 
 
 def test_controller_listens_on_the_private_network_only(cluster: Cluster, network: Network):
-    assert cluster._controller_pid is not None
-    controller = psutil.Process(cluster._controller_pid[0])
+    assert cluster._processes.controller is not None
+    controller = psutil.Process(cluster._processes.controller[0])
     addrs = {c.laddr.ip for c in controller.net_connections(kind="tcp")
              if c.status == psutil.CONN_LISTEN}
     assert addrs and addrs <= {network.head_address}, addrs

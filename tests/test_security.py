@@ -100,7 +100,7 @@ def test_whole_process_tree_listens_on_loopback_only(cluster: Cluster):
         # the walk reaches everything nbdist knows of, the controller's forked schedulers and
         # the processes the ranks spawned (the DataLoader workers)
         assert set(cluster.all_pids()) <= pids
-        controller = psutil.Process(cluster._controller_pid[0])
+        controller = psutil.Process(cluster._processes.controller[0])
         assert len(controller.children()) >= 3, "the controller's schedulers were not found"
         for rank_pid in _rank_pids(cluster):
             assert psutil.Process(rank_pid).children(), f"rank pid {rank_pid}: no DataLoader worker"

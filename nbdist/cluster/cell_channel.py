@@ -49,7 +49,6 @@ class NotebookChannel:
         from jupyter_client.session import Session
 
         self._zmq = zmq
-        self._create_time = psutil.Process().create_time()
         self.session = Session(key=key, signature_scheme=signature_scheme, check_pid=False)
         self.context = zmq.Context()
         self.bind_host = bind_host
@@ -63,8 +62,6 @@ class NotebookChannel:
         port = pull.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
         self._pull = pull  # the reader thread's, or the main thread's while it holds it
-        self._poller = zmq.Poller()
-        self._poller.register(pull, zmq.POLLIN)
         self._held = False
         self._holds = 0
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
@@ -85,7 +82,7 @@ class NotebookChannel:
     def setup_for(self, bind_host: str, ends_with_kernel: bool) -> ChannelSetup:
         """`ends_with_kernel`: the rank ends itself once this process is gone (engines nbdist
         started; never an attached cluster's)."""
-        kernel = (os.getpid(), self._create_time) if ends_with_kernel else None
+        kernel = (os.getpid(), psutil.Process().create_time()) if ends_with_kernel else None
         return ChannelSetup(self.address, bind_host, self.public_key, kernel)
 
     def new_token(self) -> str:
@@ -189,12 +186,7 @@ class NotebookChannel:
 
     def receive(self, timeout: float) -> list[ChannelMessage]:
         """Whatever arrived for the cell runner within `timeout` s (as soon as something did)."""
-        messages = []
-        while True:
-            try:
-                messages.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        messages = [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]  # one reader
         if not self._held:
             if messages or timeout <= 0:
                 return messages
@@ -203,7 +195,7 @@ class NotebookChannel:
             except queue.Empty:
                 return []
         wait = 0 if messages else max(0, int(timeout * 1000))
-        if self._poller.poll(wait):
+        if self._pull.poll(wait):
             self._drain(messages.append)
         return messages
 
@@ -241,14 +233,12 @@ class NotebookChannel:
             if msg["header"]["msg_type"] not in COMM_TYPES:
                 if message.token:
                     deliver(message)
-                continue
-            handler = self.on_comm
-            try:
-                if handler is not None:
+            elif (handler := self.on_comm) is not None:
+                try:
                     handler(message)
-            except Exception as exc:  # a widget's trouble never stops the channel
-                print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
-                      file=sys.__stderr__)
+                except Exception as exc:  # a widget's trouble never stops the channel
+                    print(f"nbdist: rank {message.rank}'s widget message failed here: {exc!r}",
+                          file=sys.__stderr__)
 
     def close(self) -> None:
         """Close it after the ranks stopped: those nbdist started end themselves once the PULL

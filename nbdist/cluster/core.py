@@ -11,6 +11,7 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from nbdist import ipp_compat
 from nbdist.cluster import rank_setup
 from nbdist.cluster.arguments import (
     check_cluster_arguments,
@@ -21,8 +22,8 @@ from nbdist.cluster.cell_channel import NotebookChannel, open_channel
 from nbdist.cluster.gather import Gathered, gather
 from nbdist.cluster.launch_modes import AttachedMode, LaunchMode, Progress, launch_mode
 from nbdist.cluster.liveness import Liveness
-from nbdist.cluster.processes import OwnedProcesses, Pid
-from nbdist.cluster.ranks import RankProcess, RankSpec, check_targets, validate_backend
+from nbdist.cluster.processes import OwnedProcesses
+from nbdist.cluster.ranks import RankProcess, check_targets, validate_backend
 from nbdist.cluster.rendezvous import Rendezvous
 from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.config import DEFAULT, NbdistConfig
@@ -100,13 +101,6 @@ class ClusterCore:
     def master_addr(self) -> str:
         return self.rendezvous.master_addr
 
-    @property
-    def _controller_pid(self) -> Pid | None:
-        return self._processes.controller
-
-    def _launchers(self) -> list[Any]:
-        return self.launch_mode.launchers()
-
     def channel(self) -> NotebookChannel:
         self._require_running()
         return self.cell_channel  # type: ignore[return-value]
@@ -156,7 +150,7 @@ class ClusterCore:
         try:
             say = progress or (lambda _msg: None)
             engine_ids = self.launch_mode.start(self.requested_n, say)
-            self._liveness.watch_unregistrations(self.launch_mode.client)
+            ipp_compat.on_unregistration(self.launch_mode.client, self._liveness.engine_lost)
             self._bootstrap(say, engine_ids)
         except BaseException as exc:
             self._teardown_processes()
@@ -180,29 +174,9 @@ class ClusterCore:
                                          self.rendezvous.notebook_host(client, probes),
                                          curve=mode.curve or self.rendezvous.spans_hosts)
         threads = rank_setup.rank_threads(specs, probes, self.requested_threads)
-        self.ranks = self._new_generation(specs, probes, threads)
+        self.ranks = rank_setup.new_generation(self, specs, probes, threads, living=[])
         for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
             say(f"nbdist: {note}")
-        self._settled(ids)
-
-    def _new_generation(self, specs: list[RankSpec], probes: dict[int, Any],
-                        threads: dict[int, int], living: Iterable[RankProcess] = ()
-                        ) -> list[RankProcess]:
-        """A new process-group generation: the ranks of `specs` set up and join it, the `living`
-        ones rebuild into it; returns the new ranks."""
-        self.generation += 1
-        client, timeout = self.launch_mode.client, self.config.start.bootstrap_timeout
-        rank0 = next((s for s in specs if s.rank == 0), None) or self.ranks[0].spec
-        port = self.rendezvous.port(client, rank0.engine_id, timeout)
-        return rank_setup.setup_ranks(
-            client, specs, probes, threads, [p.spec.engine_id for p in living], port=port,
-            generation=self.generation, rendezvous=self.rendezvous, config=self.config,
-            workdir=self.workdir, channel=self.cell_channel,  # type: ignore[arg-type]
-            ends_with_kernel=self.launch_mode.owns_engines)
-
-    def _settled(self, new_ids: list[int]) -> None:
-        rank_setup.freeze_collectors(self.launch_mode.client, new_ids,
-                                     self.config.start.bootstrap_timeout)
 
     def all_pids(self) -> list[int]:
         return [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]
@@ -245,7 +219,7 @@ class ClusterCore:
                 f"rank(s) {dead} are dead: the process group cannot be rebuilt without them. "
                 "Run %dist_restart (Cluster.restart()) for a full cluster.")
         started = time.perf_counter()
-        self._new_generation([], {}, {}, living=self.ranks)
+        rank_setup.new_generation(self, [], {}, {}, living=self.ranks)
         return time.perf_counter() - started
 
     def push(self, values: dict[str, Any], ranks: Iterable[int] | None = None) -> None:
@@ -307,22 +281,21 @@ class ClusterCore:
             try:
                 self._bootstrap(say, mode.restart_engines(n, self.ranks, say))
             except KeyboardInterrupt:
-                raise self._abandon_restart() from None
+                # stop the engines started so far (half set up, they would hold ports and wait
+                # for peers; the mode's loop thread may still be launching some) and leave every
+                # rank dead, for the next restart
+                mode.stop_engines(self.ranks)
+                for proc in self.ranks:
+                    if proc.state == "alive":
+                        self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")
+                raise Interrupted(
+                    "the restart was interrupted: the engines it had started are stopped and no "
+                    "rank is running; run %dist_restart (Cluster.restart()) again for a full "
+                    "cluster") from None
         for proc in self.ranks:
             self.telemetry.rank_state(proc.spec.rank, "restarted", f"pid {proc.pid}")
         self.start_seconds = time.perf_counter() - started
         return self
-
-    def _abandon_restart(self) -> Interrupted:
-        """The stop button during a restart: stop the engines started so far (half set up, they
-        would hold ports and wait for peers) and leave every rank dead, for the next restart."""
-        self.launch_mode.stop_engines(self.ranks)  # its loop thread may still be launching some
-        for proc in self.ranks:
-            if proc.state == "alive":
-                self.mark_dead(proc.spec.rank, "stopped: the restart was interrupted")
-        return Interrupted(
-            "the restart was interrupted: the engines it had started are stopped and no rank is "
-            "running; run %dist_restart (Cluster.restart()) again for a full cluster")
 
     def replace_dead(self, progress: Progress | None = None) -> list[int]:
         """New processes for the dead ranks only (same numbers and devices) and a new group for
@@ -351,10 +324,9 @@ class ClusterCore:
                  for p, eid in zip(dead, new_ids, strict=True)]
         # the rank it replaces had its host's share of the cores worked out already
         threads = {p.spec.rank: self.requested_threads or p.threads for p in dead}
-        for proc in self._new_generation(specs, probes, threads, living=alive):
+        for proc in rank_setup.new_generation(self, specs, probes, threads, living=alive):
             self.ranks[proc.spec.rank] = proc
             self.telemetry.rank_state(proc.spec.rank, "restarted", f"pid {proc.pid}")
-        self._settled(new_ids)
         self.start_seconds = time.perf_counter() - started
         return [s.rank for s in specs]
 

@@ -8,7 +8,6 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from nbdist import ipp_compat
 from nbdist.cluster.processes import OwnedProcesses
 from nbdist.cluster.ranks import RankProcess
 from nbdist.worker.process_tree import same_process
@@ -31,14 +30,11 @@ class Liveness:
         with self._lock:
             self._exit_codes[int(stop_data.get("pid", -1))] = stop_data.get("exit_code")
 
-    def watch_unregistrations(self, client: Any) -> None:
-        """A remote rank is dead the moment the controller drops its engine, before ipyparallel
-        makes its task an EngineError: a cell reports "died" (with the host), not "raised"."""
-        ipp_compat.on_unregistration(client, self.engine_lost)  # else poll_dead, later
-
     def engine_lost(self, engine_id: int) -> None:
-        """On ipyparallel's IO thread: the rank is dead at once (a cell finishing now must see
-        it), and queued so that poll_dead, on the notebook's thread, tells the listeners."""
+        """The controller dropped this engine (ipp_compat.on_unregistration, on ipyparallel's IO
+        thread): a remote rank is dead at once, before ipyparallel makes its task an EngineError
+        (a cell finishing now reports "died", with the host, not "raised"), and queued so that
+        poll_dead, on the notebook's thread, tells the listeners."""
         with self._lock:
             for proc in self.cluster.ranks:
                 here = self.cluster.launch_mode.pid_is_here(proc)
@@ -55,17 +51,11 @@ class Liveness:
         for rank, detail in newly_dead.items():
             cluster.telemetry.rank_state(rank, "dead", detail)
         job_end = job.ended_detail() if job else None  # cancelled, time limit...
-        for proc in cluster.ranks:
-            if proc.state == "dead":
-                continue
-            detail = job_end
-            if detail is None:
-                detail = (self._local_exit(proc) if cluster.launch_mode.pid_is_here(proc)
-                          else None if cluster.is_registered(proc.spec.engine_id)
-                          else _lost_detail(proc))
-                if detail is not None and job:  # a job's end is the cause, not an engine's exit
-                    job_end = job.ended_detail(fresh=True)
-                    detail = job_end or detail
+        for proc in (p for p in cluster.ranks if p.state == "alive"):  # one may die meanwhile
+            detail = job_end or self._exit_detail(proc)
+            if detail is not None and job and job_end is None:  # the job's end is the cause
+                job_end = job.ended_detail(fresh=True)
+                detail = job_end or detail
             if detail is not None:
                 cluster.mark_dead(proc.spec.rank, detail)
                 newly_dead[proc.spec.rank] = detail
@@ -73,17 +63,16 @@ class Liveness:
             cluster.controller_lost = True
         return newly_dead
 
-    def _local_exit(self, proc: RankProcess) -> str | None:
-        with self._lock:
-            code = self._exit_codes.get(proc.pid, "missing")
-        if code == "missing":
-            if same_process(proc.pid, proc.create_time) is None:
-                code = self._wait_exit_code(proc.pid)
-            elif self.cluster.is_registered(proc.spec.engine_id):
+    def _exit_detail(self, proc: RankProcess) -> str | None:
+        """Why this rank's engine is gone; None while it runs and the controller lists it."""
+        if not self.cluster.launch_mode.pid_is_here(proc):
+            return None if self.cluster.is_registered(proc.spec.engine_id) else _lost_detail(proc)
+        if same_process(proc.pid, proc.create_time) is not None:
+            if self.cluster.is_registered(proc.spec.engine_id):
                 return None
-            else:  # running but the controller dropped it: unusable, end it
-                self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)
-                return "unregistered from the controller"
+            self.cluster.signal_rank(proc.spec.rank, signal.SIGKILL)  # dropped: unusable, end it
+            return "unregistered from the controller"
+        code = self._wait_exit_code(proc.pid)  # recorded already, or a moment after the reaping
         if not isinstance(code, int):
             return "exited (exit status unknown)"
         if code >= 0:

@@ -9,10 +9,9 @@ import subprocess
 import time
 import warnings
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbdist import torch_support
-from nbdist.cluster.cell_channel import NotebookChannel
 from nbdist.cluster.gather import collect, gather
 from nbdist.cluster.launchers import LauncherPlan
 from nbdist.cluster.ranks import (
@@ -25,11 +24,13 @@ from nbdist.cluster.ranks import (
     each_its_own,
     gpu_shortfall,
 )
-from nbdist.cluster.rendezvous import Rendezvous, controller_host, is_local_engine
-from nbdist.config import NbdistConfig
+from nbdist.cluster.rendezvous import controller_host, is_local_engine
 from nbdist.errors import ClusterStartError, NbdistWarning
 from nbdist.worker import bootstrap
 from nbdist.worker.setup_message import RankSetup
+
+if TYPE_CHECKING:  # pragma: no cover
+    from nbdist.cluster import ClusterCore
 
 
 def rank_count(requested_n: int | None, plan: LauncherPlan | None) -> int:
@@ -105,13 +106,17 @@ def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[st
     return {host: each_its_own(sets) for host, sets in cores.items()}
 
 
-def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
-                threads: dict[int, int], living: list[int], *, port: int, generation: int,
-                rendezvous: Rendezvous, config: NbdistConfig, workdir: str,
-                channel: NotebookChannel, ends_with_kernel: bool) -> list[RankProcess]:
-    """One new process-group generation: the ranks of `specs` set up and join it while the
-    `living` engines rebuild into it. `ends_with_kernel`: new ranks end with this kernel."""
-    store_path = rendezvous.store_path(workdir, generation)
+def new_generation(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int, Any],
+                   threads: dict[int, int], living: list[RankProcess]) -> list[RankProcess]:
+    """The cluster's next process-group generation, on a fresh port: the ranks of `specs` set up
+    and join it while the `living` ones rebuild into it; returns the new ranks."""
+    cluster.generation += 1
+    client, config, rendezvous = cluster.launch_mode.client, cluster.config, cluster.rendezvous
+    generation, timeout = cluster.generation, config.start.bootstrap_timeout
+    rank0 = next((s for s in specs if s.rank == 0), None) or cluster.ranks[0].spec
+    port = rendezvous.port(client, rank0.engine_id, timeout)
+    store_path = rendezvous.store_path(cluster.workdir, generation)
+    ends_with_kernel = cluster.launch_mode.owns_engines  # new ranks end with this kernel
     asyncs = {}
     for spec in specs:
         probed = probes[spec.engine_id]
@@ -119,18 +124,20 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
             spec=spec, master_addr=rendezvous.master_addr, port=port, generation=generation,
             store_path=store_path, threads=threads[spec.rank], cwd=os.getcwd(),
             interface=rendezvous.rank_interface(probed),
-            private_dir=workdir if is_local_engine(probed) else None,
-            channel=channel.setup_for(rendezvous.channel_host(probed), ends_with_kernel),
+            private_dir=cluster.workdir if is_local_engine(probed) else None,
+            channel=cluster.channel().setup_for(rendezvous.channel_host(probed), ends_with_kernel),
             config=config)
         asyncs[spec.engine_id] = client[spec.engine_id].apply_async(bootstrap.setup_rank, setup)
-    rebuilds = {eid: client[eid].apply_async(bootstrap.rebuild_process_group, port, generation,
-                                             rendezvous.master_addr, store_path)
-                for eid in living}
+    rebuild = (bootstrap.rebuild_process_group, port, generation, rendezvous.master_addr,
+               store_path)
+    rebuilds = {p.spec.engine_id: client[p.spec.engine_id].apply_async(*rebuild) for p in living}
     started = time.monotonic()
-    ready = collect(asyncs, config.start.bootstrap_timeout,
-                    "setting up ranks and the process group")
+    ready = collect(asyncs, timeout, "setting up ranks and the process group")
     collect(rebuilds, max(1.0, config.start.rebuild_timeout - (time.monotonic() - started)),
             "rebuilding the process group")
+    # everything alive now in the new engines (torch, IPython: millions of objects) out of their
+    # collector's reach: exit skips a multi-second final gc.collect, training's full ones are cheap
+    gather({eid: client[eid].apply_async(gc.freeze) for eid in ready}, timeout)
     ranks = []
     for spec in specs:
         found, done = probes[spec.engine_id], ready[spec.engine_id]
@@ -140,9 +147,3 @@ def setup_ranks(client: Any, specs: list[RankSpec], probes: dict[int, Any],
             release_signal=found.get("release_signal"), report_signal=found.get("report_signal"),
             endpoint=done.endpoint, notes=list(done.notes)))
     return ranks
-
-
-def freeze_collectors(client: Any, ids: list[int], timeout: float) -> None:
-    """Everything alive now (torch, IPython: millions of objects) out of each engine's collector's
-    reach: exit skips a multi-second final gc.collect, and training's full collections are cheap."""
-    gather({eid: client[eid].apply_async(gc.freeze) for eid in ids}, timeout)

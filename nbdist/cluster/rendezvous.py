@@ -26,11 +26,7 @@ class Rendezvous:
     def choose(self, plan_spans_hosts: bool, specs: list[RankSpec], probes: dict[int, Any]) -> None:
         """Rendezvous on rank 0: its address on --interface, else the one it reaches the
         controller by (so the others reach it too); 127.0.0.1 for a local cluster."""
-        self.spans_hosts = (
-            plan_spans_hosts
-            or len({p["host"] for p in probes.values()}) > 1
-            or not all(is_local_engine(p) for p in probes.values())
-        )
+        self.spans_hosts = plan_spans_hosts or not all(map(is_local_engine, probes.values()))
         if self.spans_hosts and not plan_spans_hosts:
             warn_unauthenticated_rendezvous()  # found out only now (attached engines elsewhere)
         self.master_addr = self.requested_master_addr or "127.0.0.1"
@@ -70,8 +66,8 @@ class Rendezvous:
         --interface, the controller's when it runs here, or the one it reaches a rank by."""
         if not self.spans_hosts:
             return "127.0.0.1"
-        if self.interface is not None and net.interface_ipv4(self.interface):
-            return str(net.interface_ipv4(self.interface))
+        if self.interface is not None and (address := net.interface_ipv4(self.interface)):
+            return str(address)
         controller = controller_host(client)
         if controller in {a for found in net.ipv4_addresses().values() for a in found}:
             return str(controller)

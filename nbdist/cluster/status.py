@@ -4,8 +4,8 @@ built from a `ClusterCore` once; it never talks to the ranks itself."""
 from __future__ import annotations
 
 import html
-from dataclasses import astuple, dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
 
 from nbdist.text import render_table
 
@@ -15,8 +15,7 @@ if TYPE_CHECKING:
 COLUMNS = ("rank", "local", "host", "pid", "device", "backend", "threads", "state")
 
 
-@dataclass(frozen=True)
-class RankRow:
+class RankRow(NamedTuple):
     """One rank, its fields in COLUMNS order."""
 
     rank: int
@@ -62,7 +61,7 @@ class ClusterStatus:
                 f"{self.generation}, {health}{lost}")
 
     def table(self) -> str:
-        return render_table(COLUMNS, [astuple(r) for r in self.rows])
+        return render_table(COLUMNS, self.rows)
 
     def __str__(self) -> str:
         job = f"\n{self.batch_job}" if self.batch_job else ""
@@ -73,7 +72,7 @@ class ClusterStatus:
 
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{h}</th>" for h in COLUMNS)
-        rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in astuple(r))
+        rows = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r)
                        + "</tr>" for r in self.rows)
         job = f"<p>{html.escape(self.batch_job)}</p>" if self.batch_job else ""
         return (f"<div><p>{html.escape(self.summary_line())}</p>{job}"
