@@ -49,6 +49,7 @@ class NotebookChannel:
         from jupyter_client.session import Session
 
         self._zmq = zmq
+        self._kernel = (os.getpid(), psutil.Process().create_time())  # this process, for good
         self.session = Session(key=key, signature_scheme=signature_scheme, check_pid=False)
         self.context = zmq.Context()
         self.bind_host = bind_host
@@ -82,7 +83,7 @@ class NotebookChannel:
     def setup_for(self, bind_host: str, ends_with_kernel: bool) -> ChannelSetup:
         """`ends_with_kernel`: the rank ends itself once this process is gone (engines nbdist
         started; never an attached cluster's)."""
-        kernel = (os.getpid(), psutil.Process().create_time()) if ends_with_kernel else None
+        kernel = self._kernel if ends_with_kernel else None
         return ChannelSetup(self.address, bind_host, self.public_key, kernel)
 
     def new_token(self) -> str:
