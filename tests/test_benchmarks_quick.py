@@ -66,3 +66,19 @@ def test_table_from_synthetic_measurements() -> None:
     assert "> 20.0 s (still blocked; stopped by PID)" in text
     assert "left after stop: 1" in text
     assert "| B5 | ≤ 1 % overhead (ratio ≤ 1.01) | 1.004 | met |" in text
+
+
+def test_line_count_sorts_each_line_once() -> None:
+    from tests.benchmarks.line_count import PACKAGES, Count, count_at
+
+    source = ('"""Module doc,\non two lines."""\n\nimport os  # a comment after code\n\n\n'
+              'def f() -> int:\n    """One line."""\n    # a comment alone\n    return 1\n'
+              'g = lambda: "not a docstring"\n')
+    count = Count()
+    count.add(source)
+    assert (count.total, count.docstring, count.comment, count.blank, count.code) == (11, 3, 1, 3, 4)
+    tree = count_at(None)
+    lines = sum(len(path.read_text().splitlines())
+                for package in PACKAGES for path in (ROOT / package).rglob("*.py"))
+    assert tree.total == lines == tree.code + tree.docstring + tree.comment + tree.blank
+    assert tree.long_lines == 0  # ruff holds nbdist/ to 100 characters

@@ -28,10 +28,12 @@ def fingerprint(obj: Any, full: bool = False) -> dict[str, Any]:
     """{"type", "entries": {name: fingerprint}, "notes"}; the entries stay here for `fetch`.
     `full`: sharded DTensors are gathered (a collective: every rank must be fingerprinting)."""
     notes: set[str] = set()
-    _FLAT.clear()
-    _walk(obj, "", full, notes)
+    flat: dict[str, Any] = {}
+    _walk(obj, "", full, notes, flat)
+    _FLAT.clear()  # kept whole or not at all: a walk that raised leaves the last one
+    _FLAT.update(flat)
     return {"type": describe_type(obj),
-            "entries": {name: entry_fingerprint(value) for name, value in _FLAT.items()},
+            "entries": {name: entry_fingerprint(value) for name, value in flat.items()},
             "notes": sorted(notes)}
 
 
@@ -49,12 +51,12 @@ def describe_type(obj: Any) -> str:
     return type(obj).__qualname__
 
 
-def _walk(obj: Any, name: str, full: bool, notes: set[str]) -> None:
+def _walk(obj: Any, name: str, full: bool, notes: set[str], flat: dict[str, Any]) -> None:
     """Modules (parameters and buffers by name), optimizers (state_dict), dicts, lists and tuples
     are walked; tensors (DTensors resolved) and other values are leaves."""
     import torch
 
-    if len(_FLAT) >= MAX_ENTRIES:
+    if len(flat) >= MAX_ENTRIES:
         notes.add(f"stopped after {MAX_ENTRIES} entries")
         return
     if isinstance(obj, torch.nn.Module):
@@ -68,10 +70,10 @@ def _walk(obj: Any, name: str, full: bool, notes: set[str]) -> None:
     elif isinstance(obj, list | tuple):
         children = dict(enumerate(obj))
     else:
-        _FLAT[name] = _resolve_dtensor(obj, full, notes) if isinstance(obj, torch.Tensor) else obj
+        flat[name] = _resolve_dtensor(obj, full, notes) if isinstance(obj, torch.Tensor) else obj
         return
     for key, child in children.items():
-        _walk(child, f"{name}.{key}" if name else str(key), full, notes)
+        _walk(child, f"{name}.{key}" if name else str(key), full, notes, flat)
 
 
 def _resolve_dtensor(tensor: Any, full: bool, notes: set[str]) -> Any:
