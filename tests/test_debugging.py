@@ -107,6 +107,24 @@ def test_dtensors_compare_what_should_be_equal(cluster2):
     assert [(d.name, d.differing, d.max_abs) for d in drifted.diffs] == [("rep", [1], 1.0)]
 
 
+def test_a_walk_that_raises_keeps_the_last_flattened_object() -> None:
+    """The rank keeps the last fingerprinted object's entries for `fetch`: whole, never a part
+    of one whose walk failed (this is the rank-side code, run here without a cluster)."""
+    import torch
+
+    from nbdist.worker import diffing
+
+    class Broken(torch.nn.Module):
+        def named_parameters(self, *args, **kwargs):
+            yield "weight", torch.ones(2)
+            raise RuntimeError("cannot list parameters")
+
+    diffing.fingerprint({"a": torch.zeros(3), "b": 1})
+    with pytest.raises(RuntimeError, match="cannot list"):
+        diffing.fingerprint({"z": torch.ones(1), "m": Broken()})
+    assert sorted(diffing.fetch(["a", "b", "z", "m.weight"])) == ["a", "b"]
+
+
 def test_nbdist_diff_inside_a_cell(cluster2):
     cluster2.run(MODEL + "if rank == 1:\n    with torch.no_grad():\n"
                  "        model[0].bias[0] -= 2.0\n").raise_for_errors()
