@@ -8,6 +8,9 @@ ranks on other hosts.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -20,6 +23,7 @@ from nbdist import Cluster
 from nbdist.cells.rank_errors import rank_error_from_remote
 from nbdist.config import NbdistConfig
 from tests import rank_parity
+from tests.sinks import RecordingSink
 
 MIXED = """
 import sys
@@ -219,3 +223,50 @@ def test_a_widget_moved_during_a_pdb_prompt_moves_once_the_cell_ends(cluster2, m
                            timeout=30)
     assert stopped.raise_for_errors().value_text(1) == "(1, 1)"
     assert cluster2.run("knob.value", ranks=[1], timeout=30).value_text(1) == "5"
+
+
+class _CallingSink(RecordingSink):
+    """At rank 1's first line, has rank 0 (done with the cell) sleep 0.3 s through the channel,
+    as the fault policy calls ranks done with a cell while others still run it: rank 1's lines
+    keep coming meanwhile."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__()
+        self.cluster = cluster
+        self.answer: Any = None
+
+    def on_stream(self, rank: int, name: str, text: str) -> None:
+        super().on_stream(rank, name, text)
+        if rank == 1 and self.answer is None:
+            self.answer = self.cluster.call(time.sleep, 0.3, ranks=[0], timeout=10)
+
+
+def test_a_call_made_while_a_cell_waits_leaves_the_cell_all_its_output(cluster2):
+    code = ("import time\nif rank == 1:\n    for i in range(60):\n"
+            "        print('line', i, flush=True)\n        time.sleep(0.01)\n")
+    sink = _CallingSink(cluster2)
+    cluster2.run(code, sink=sink, timeout=30).raise_for_errors()
+    assert sink.answer is not None and sink.answer.results == {0: None}, sink.answer.failures
+    assert sink.text(1, "stdout") == "".join(f"line {i}\n" for i in range(60))
+    # and the channel reads as before once the cell is done
+    assert cluster2.call(os.getpid).results == {p.spec.rank: p.pid for p in cluster2.ranks}
+
+
+def test_a_notebook_without_torch_calls_ranks_and_handles_a_failed_cell_without_importing_it():
+    """Torch takes seconds to import: a kernel that never imported it must not pay that in the
+    fault policy's first call (it once did, and the stop-button ladder escalated meanwhile)."""
+    script = """
+import sys
+from nbdist import Cluster
+with Cluster(n=2, threads=1) as cluster:
+    result = cluster.run("x = torch.ones(1)\\nif rank == 1:\\n    raise ValueError('broke')\\n"
+                         "dist.all_reduce(x)\\n", timeout=60)
+    assert [r for r, e in result.errors.items() if e.kind == "root"] == [1], result.errors
+    assert not any("SIGINT" in action for action in result.actions), result.actions
+    assert cluster.call(len, "abc").results == {0: 3, 1: 3}
+print("torch imported:", "torch" in sys.modules)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "torch imported: False" in proc.stdout, proc.stdout[-2000:]

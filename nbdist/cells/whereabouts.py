@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nbdist.cluster.gather import gather
-from nbdist.errors import NbdistError
 from nbdist.worker import bootstrap
 
 if TYPE_CHECKING:
@@ -67,15 +65,8 @@ def in_backward(stack: list[str], innermost: bool = False) -> bool:
 def cell_reports(cluster: ClusterCore, ranks: list[int]) -> dict[int, dict[str, Any]]:
     """Ask the alive ones of `ranks` what the cell did to them (``collectives_entered``,
     ``failed_in``, ``pg_initialized``); a rank that cannot answer in time is left out."""
-    asyncs = {}
-    for rank in ranks:
-        if cluster.ranks[rank].state != "alive":
-            continue
-        try:
-            asyncs[rank] = cluster.view(rank).apply_async(bootstrap.cell_report)
-        except NbdistError:
-            continue
-    return gather(asyncs, cluster.config.faults.cell_report_timeout).results
+    return cluster.call(bootstrap.cell_report, ranks=ranks,
+                        timeout=cluster.config.faults.cell_report_timeout).results
 
 
 def desynchronised(reports: dict[int, dict[str, Any]]) -> str:

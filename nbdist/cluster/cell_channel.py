@@ -63,8 +63,9 @@ class NotebookChannel:
         port = pull.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"tcp://{bind_host}:{port}"
         self._pull = pull  # the reader thread's, or the main thread's while it holds it
-        self._held = False
+        self._held = 0  # holders on the main thread: a cell, and a call it makes meanwhile
         self._holds = 0
+        self._aside: list[ChannelMessage] = []  # a running cell's, read by a call it made
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
         self.on_comm: Any = None  # a rank's widget messages go to it (cells.widgets.WidgetRelay)
         self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
@@ -120,9 +121,9 @@ class NotebookChannel:
 
     def call(self, ranks: Sequence[RankProcess], function: Callable[..., Any],
              args: tuple[Any, ...], timeout: float) -> Gathered[int]:
-        """`function(*args)` (importable: it travels by name) on each rank between cells, under
-        one deadline; never raises for a rank's failure or silence. Not while a cell runs: its
-        messages would be taken for late output."""
+        """`function(*args)` (importable: it travels by name) on each rank, under one deadline;
+        never raises for a rank's failure or silence. Made while a cell waits (the fault policy's
+        calls to ranks done with it), it leaves the cell's messages to the cell's runner."""
         missing = [p.spec.rank for p in ranks if p.endpoint is None]
         if missing:
             raise NbdistError(f"rank(s) {missing} have no cell channel (their setup did not "
@@ -132,8 +133,8 @@ class NotebookChannel:
         buffers = pack((function, args))
         for rank, endpoint in endpoints.items():
             self.send(rank, endpoint, CALL_REQUEST, {"token": token}, buffers)
-        self.hold()
         try:
+            self.hold()
             return self._answers(token, set(endpoints), timeout)
         finally:
             self.release()
@@ -141,32 +142,43 @@ class NotebookChannel:
     def _answers(self, token: str, waiting: set[int], timeout: float) -> Gathered[int]:
         out: Gathered[int] = Gathered()
         deadline = time.monotonic() + timeout
-        while waiting and time.monotonic() < deadline:
-            for message in self.receive(max(0.0, deadline - time.monotonic())):
-                if message.token != token or message.rank not in waiting:
-                    continue  # a cell's late output, given up on
-                waiting.discard(message.rank)
-                content = message.msg["content"]
-                if content.get("status") != "ok":
-                    out.failures[message.rank] = rank_error(
-                        content.get("ename"), content.get("evalue"), content.get("traceback"))
-                    continue
-                try:
-                    out.results[message.rank] = unpack(message.msg["buffers"])
-                except CellClassMissing as exc:
-                    out.failures[message.rank] = (
-                        f"the value holds {exc.name}, defined in a cell on the ranks, which the "
-                        "notebook does not define: it could not rebuild the value. Run the same "
-                        "definition in a plain notebook cell too, or pull plain types (dicts, "
-                        "lists, tuples, tensors).")
-                except Exception as exc:
-                    out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
+        cells, aside = self._held > 1, []  # a cell waits too: its messages are kept for it
+        try:
+            while waiting and time.monotonic() < deadline:
+                for message in self.receive(max(0.0, deadline - time.monotonic())):
+                    if message.token == token and message.rank in waiting:
+                        waiting.discard(message.rank)
+                        self._answer(message, out)
+                    elif message.token != token and cells:
+                        aside.append(message)
+        finally:
+            self._aside = aside + self._aside
         out.failures.update({rank: f"no answer within {timeout:g} s" for rank in waiting})
         return out
+
+    @staticmethod
+    def _answer(message: ChannelMessage, out: Gathered[int]) -> None:
+        content = message.msg["content"]
+        if content.get("status") != "ok":
+            out.failures[message.rank] = rank_error(
+                content.get("ename"), content.get("evalue"), content.get("traceback"))
+            return
+        try:
+            out.results[message.rank] = unpack(message.msg["buffers"])
+        except CellClassMissing as exc:
+            out.failures[message.rank] = (
+                f"the value holds {exc.name}, defined in a cell on the ranks, which the notebook "
+                "does not define: it could not rebuild the value. Run the same definition in a "
+                "plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
+        except Exception as exc:
+            out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
 
     def hold(self) -> None:
         """Read the PULL on this thread until `release` (no thread wake-up per message while a
         cell or a call waits); what the reader thread took before is in `inbox`."""
+        if self._held:  # a call while a cell waits: this thread reads the PULL already
+            self._held += 1
+            return
         self._holds += 1
         tag = str(self._holds).encode()
         self._wake.send(b"hold " + tag)
@@ -177,17 +189,18 @@ class NotebookChannel:
                     break
             except KeyboardInterrupt:
                 interrupted = True
-        self._held = True
+        self._held = 1
         if interrupted:
             raise KeyboardInterrupt
 
     def release(self) -> None:
-        self._held = False
-        self._wake.send(b"read")
+        self._held = max(0, self._held - 1)  # 0 too after a hold interrupted as it began
+        if not self._held:
+            self._wake.send(b"read")
 
     def receive(self, timeout: float) -> list[ChannelMessage]:
         """Whatever arrived for the cell runner within `timeout` s (as soon as something did)."""
-        messages = [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]  # one reader
+        messages, self._aside = [*self._aside, *self._inbox()], []
         if not self._held:
             if messages or timeout <= 0:
                 return messages
@@ -199,6 +212,9 @@ class NotebookChannel:
         if self._pull.poll(wait):
             self._drain(messages.append)
         return messages
+
+    def _inbox(self) -> list[ChannelMessage]:
+        return [self.inbox.get_nowait() for _ in range(self.inbox.qsize())]  # one reader
 
     def _read(self, woken: Any) -> None:
         zmq = self._zmq

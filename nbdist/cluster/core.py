@@ -4,7 +4,6 @@ owns the rank table and the process-group generation, and stops what it started 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import dataclasses
 import time
 import weakref
@@ -19,7 +18,7 @@ from nbdist.cluster.arguments import (
     check_variable_name,
 )
 from nbdist.cluster.cell_channel import NotebookChannel, open_channel
-from nbdist.cluster.gather import Gathered, gather
+from nbdist.cluster.gather import Gathered
 from nbdist.cluster.launch_modes import AttachedMode, LaunchMode, Progress, launch_mode
 from nbdist.cluster.liveness import Liveness
 from nbdist.cluster.processes import OwnedProcesses
@@ -109,16 +108,6 @@ class ClusterCore:
         """The controller still lists this engine (True when there is no client to ask)."""
         return not self.running or engine_id in self.launch_mode.client.ids
 
-    def view(self, rank: int) -> Any:
-        """The ipyparallel view of one rank; a rank whose engine is gone is marked dead."""
-        engine_id = self.ranks[rank].spec.engine_id
-        if not self.is_registered(engine_id):
-            self.poll_dead()
-            if self.ranks[rank].state == "alive":
-                self.mark_dead(rank, "engine unregistered from the controller")
-            raise NbdistError(f"rank {rank} is dead ({self.ranks[rank].exit_detail})")
-        return self.client[engine_id]
-
     def mark_dead(self, rank: int, detail: str, notify: bool = True) -> None:
         """The one place a rank becomes dead. `notify=False` off the notebook's thread (poll_dead
         tells the listeners later) and on stop."""
@@ -203,12 +192,8 @@ class ClusterCore:
     def teardown_process_group(self, ranks: Iterable[int], timeout: float) -> list[int]:
         """Destroy the group on these (idle) ranks so peers blocked on them fail at once;
         returns the ranks where that finished in time."""
-        asyncs = {}
-        for r in ranks:
-            with contextlib.suppress(NbdistError):  # view() marks a rank whose engine is gone
-                if self.ranks[r].state == "alive":
-                    asyncs[r] = self.view(r).apply_async(bootstrap.teardown_process_group)
-        return list(gather(asyncs, timeout).results)
+        return list(self.call(bootstrap.teardown_process_group, ranks=ranks,
+                              timeout=timeout).results)
 
     def rebuild_process_group(self) -> float:
         """New generation on a fresh port on every rank; returns seconds taken."""
@@ -255,14 +240,15 @@ class ClusterCore:
 
     def call(self, function: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
              timeout: float | None = None) -> Gathered[int]:
-        """`function(*args)` on the ranks between cells: each rank's result, or why it has none
-        (it raised, is dead, did not answer in time); never raises for one."""
+        """`function(*args)` on the ranks (those done with a running cell too): each rank's
+        result, or why it has none (it raised, is dead, did not answer in time); never raises for
+        one."""
         self._require_running()
         self.poll_dead()
         wanted = list(range(self.world_size) if ranks is None else ranks)
         alive = [self.ranks[r] for r in wanted if self.ranks[r].state == "alive"]
-        gathered = self.channel().call(alive, function, args,
-                                       timeout or self.config.start.bootstrap_timeout)
+        wait = self.config.start.bootstrap_timeout if timeout is None else timeout
+        gathered = self.channel().call(alive, function, args, wait)
         gathered.failures.update({r: f"rank {r} is dead ({self.ranks[r].exit_detail})"
                                   for r in wanted if self.ranks[r].state != "alive"})
         return gathered

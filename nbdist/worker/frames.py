@@ -60,9 +60,8 @@ class _FramePickler(pickle.Pickler):
     _plain: Any = None  # a tensor handed to torch's own pickling
 
     def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        if not isinstance(obj, torch.Tensor) or obj is self._plain:
+        torch = sys.modules.get("torch")  # not imported: no tensor here, and no 2 s import
+        if torch is None or not isinstance(obj, torch.Tensor) or obj is self._plain:
             return NotImplemented
         flags = (obj.requires_grad, isinstance(obj, torch.nn.Parameter))
         if (type(obj) not in (torch.Tensor, torch.nn.Parameter) or obj.layout != torch.strided
