@@ -115,15 +115,15 @@ def _subject(text: str, width: int = 110) -> str:
 def section(filed: Count, begun: Count, now: Count,
             landed: list[tuple[str, int, str]]) -> str:
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    head = _git("rev-parse", "--short", "HEAD").strip()
+    head = _git("log", "-1", "--format=%h", "--", *PACKAGES).strip()  # their last change
     dirty = " with uncommitted changes" if _git("status", "--porcelain", "--", *PACKAGES) else ""
     rows = [("lines", "total"), ("code", "code"), ("docstring", "docstring"),
             ("comment", "comment"), ("blank", "blank"), ("lines over 100 characters", "long_lines"),
             ("modules", "modules"), ("modules over 400 lines", "long_modules"),
             ("functions over 60 lines", "long_functions")]
     out = [SECTION, "",
-           f"Measured {when} by `.venv/bin/python -m tests.benchmarks.line_count --write` on "
-           f"{head}{dirty}. Filed: {FILED}, main when issue 26 was filed. Begun: {BEGUN}, main "
+           f"Measured {when} by `.venv/bin/python -m tests.benchmarks.line_count --write`; the "
+           f"packages as of {head}{dirty}. Filed: {FILED}, main when issue 26 was filed. Begun: {BEGUN}, main "
            "just before the issue's first merge; issues 25, 27 and 29, filed at the same time, "
            "had landed by then (the commits below).", "",
            "| figure | filed | begun | this tree | ÷ filed | ÷ begun |",
