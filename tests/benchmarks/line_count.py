@@ -92,11 +92,11 @@ def count_at(ref: str | None) -> Count:
     return count
 
 
-def landed_between(old: str, new: str) -> list[tuple[str, int, str]]:
+def landed_between(old: str, old_total: int, new: str) -> list[tuple[str, int, str]]:
     """(commit, lines it added or removed, subject) for each commit on main's first-parent line
-    from `old` to `new` that changed the count."""
+    from `old` (`old_total` lines) to `new` that changed the count."""
     rows = []
-    previous = count_at(old).total
+    previous = old_total
     for line in _git("log", "--first-parent", "--reverse", "--format=%h %s",
                      f"{old}..{new}").splitlines():
         commit, subject = line.split(" ", 1)
@@ -147,7 +147,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--write", action="store_true", help="update RESULTS.md")
     args = parser.parse_args()
-    text = section(count_at(FILED), count_at(BEGUN), count_at(None), landed_between(FILED, BEGUN))
+    filed = count_at(FILED)
+    text = section(filed, count_at(BEGUN), count_at(None),
+                   landed_between(FILED, filed.total, BEGUN))
     print(text)
     if args.write:
         write_section(RESULTS, SECTION, text)
