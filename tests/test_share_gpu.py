@@ -20,8 +20,8 @@ from IPython.core.error import UsageError
 
 from nbdist import Cluster
 from nbdist.cluster.arguments import SHARE_GPU_VARIABLE, share_gpu_chosen
-from nbdist.cluster.rank_setup import local_gpu_count, plan_ranks, sharing_note
-from nbdist.cluster.ranks import EngineInfo, build_rank_map
+from nbdist.cluster.rank_setup import local_gpu_count, require_gpu_to_share, sharing_note
+from nbdist.cluster.ranks import EngineInfo, build_rank_map, choose_backend
 from nbdist.errors import ClusterStartError, NbdistError
 from nbdist.notebook import magics
 from nbdist.notebook.options import start_config
@@ -57,19 +57,15 @@ def test_ranks_beyond_the_gpus_share_them_round_robin():
         build_rank_map(_engines(2, 1), "nccl")
 
 
-def test_plan_with_share_gpu_is_nccl_and_needs_a_gpu_on_every_host():
-    probes = {i: {"host": "h", "pid": i, "gpu_count": 1} for i in range(4)}
-    specs = plan_ranks(probes, "auto", 1, None, share_gpu=True)
+def test_sharing_ranks_are_nccl_said_once_and_need_a_gpu_on_every_host():
+    specs = build_rank_map(_engines(4, 1), choose_backend("auto", [1] * 4, 1), share_gpu=True)
     assert {s.backend for s in specs} == {"nccl"} and {s.device for s in specs} == {"cuda:0"}
     assert sharing_note(specs) == ("4 ranks share cuda:0 (--share-gpu), NCCL between them over "
                                    "loopback sockets: for learning and testing, not speed")
     assert sharing_note(build_rank_map(_engines(2, 2), "nccl", share_gpu=True)) is None
-    # explicit gloo keeps gloo (on the shared GPU): the flag shares devices, not backends
-    assert {s.backend for s in plan_ranks(probes, "gloo", 1, None, share_gpu=True)} == {"gloo"}
-    cpu_host = {0: {"host": "a", "pid": 0, "gpu_count": 1}, 1: {"host": "b", "pid": 1,
-                                                                 "gpu_count": 0}}
+    require_gpu_to_share({"a": 1, "b": 2})
     with pytest.raises(ClusterStartError, match="--share-gpu .* and b has none that CUDA sees"):
-        plan_ranks(cpu_host, "auto", 1, None, share_gpu=True)
+        require_gpu_to_share({"a": 1, "b": 0})
 
 
 def test_each_sharing_rank_is_an_nccl_host_of_its_own():
