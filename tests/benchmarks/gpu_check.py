@@ -282,12 +282,6 @@ def _insert_section(path: Path, section: list[str]) -> None:
 
 def _write_results(steps: list[dict[str, Any]], stamp: str) -> None:
     path = ROOT / "tests" / "benchmarks" / "GPU_RESULTS.md"
-    if not path.is_file():
-        path.write_text(
-            "# A DDP and an FSDP2 step on a GPU, nbdist beside torchrun\n\n"
-            "`tests/benchmarks/gpu_step.py` (an 8 x 4096 MLP, AdamW, batch 64, fp32), the same "
-            "file under torchrun and nbdist's `%dist_run`; written by `.ci/gpu-check` "
-            "(`tests/benchmarks/gpu_check.py report`). Newest first.\n\n")
     first = steps[0] if steps else {}
     versions = ", ".join(f"{key} {first.get(key)}" for key in
                          ("device", "torch", "cuda", "nccl", "driver")) if first else "no rows"
