@@ -171,6 +171,12 @@ def test_ranks_sharing_one_gpu_all_reduce_over_nccl(n, fast_config, capsys):
         assert [v[4] for v in values] == [str(r) for r in range(n)]
         for hook in ("dist.barrier()", "dist.broadcast(torch.ones(3, device=device), 0)"):
             cluster.run(hook, timeout=120).raise_for_errors()
+        # rank 1's LOCAL_RANK is no GPU here: said at start, and torch's error says which is
+        assert any("torch.cuda.set_device(LOCAL_RANK)" in note for note in cluster.ranks[1].notes)
+        wrong = cluster.run("torch.cuda.set_device(int(os.environ['LOCAL_RANK']))", ranks=[1],
+                            timeout=60)
+        assert "this rank computes on cuda:0" in wrong.errors[1].traceback, wrong.failure_message()
+        cluster.run("t = torch.ones(1, device=device)\ndist.all_reduce(t)", timeout=120)
     finally:
         cluster.stop()
 

@@ -92,9 +92,9 @@ def local_rank_notes(spec: RankSpec) -> list[str]:
 
 
 def device_index_hint(message: str, environ: Mapping[str, str]) -> str | None:
-    """A line for torch's "invalid device ordinal" on a rank whose LOCAL_RANK is not its GPU."""
+    """A line for torch's "invalid device (ordinal)" on a rank whose LOCAL_RANK is not its GPU."""
     device, local_rank = environ.get(RANK_DEVICE_VAR, ""), environ.get("LOCAL_RANK", "")
-    if "invalid device ordinal" not in message.lower() or not device.startswith("cuda:"):
+    if "invalid device" not in message.lower() or not device.startswith("cuda:"):
         return None
     if device == f"cuda:{local_rank}":
         return None
