@@ -1,10 +1,14 @@
 """What a site sets stays the site's, on real ranks: an exported GLOO/NCCL/TP_SOCKET_IFNAME is
 kept (with a note) where nbdist would pick its own interface, and a checkpoint saved where the
 ranks do not share a directory (each host's own working directory) fails naming the need for a
-shared path instead of saving half of it."""
+shared path instead of saving half of it; a rank away from the notebook's machine removes its
+own flight-recorder directory even when it ends itself because the kernel is gone."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -56,3 +60,37 @@ def test_a_checkpoint_in_each_ranks_own_directory_names_the_shared_path(
     assert error.ename == "FileNotFoundError"
     assert "rank 1 does not see the nbdist_checkpoint.json rank 0 just wrote there" in error.evalue
     assert "a path on a filesystem every host mounts" in error.evalue
+
+
+ORPHANED_REMOTE_RANK = """
+import os, sys, time, zmq
+from nbdist.worker import orphan_guard
+from nbdist.worker.process_group import dump_environment
+prefix = dump_environment({}, 0, None)['TORCH_FR_DUMP_TEMP_FILE']  # a rank away from the notebook
+print(os.path.dirname(prefix), flush=True)
+context = zmq.Context()
+notebook_end = context.socket(zmq.PULL)
+port = notebook_end.bind_to_random_port('tcp://127.0.0.1')
+rank_end = context.socket(zmq.PUSH)
+rank_end.connect(f'tcp://127.0.0.1:{port}')
+orphan_guard.guard(rank_end, (2**22 + 1, 0.0), grace=0.2)  # a kernel on another machine
+time.sleep(1.0)
+notebook_end.close(linger=0)  # the kernel is gone
+time.sleep(60)
+print('still running', flush=True)
+"""
+
+
+def test_a_remote_rank_that_ends_itself_removes_its_dump_directory():
+    child = subprocess.Popen([sys.executable, "-c", ORPHANED_REMOTE_RANK],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        directory = child.stdout.readline().strip()
+        assert os.path.isdir(directory)
+        assert child.wait(timeout=30) == 0  # the guard's exit, not the script's end
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert "still running" not in child.stdout.read()
+    assert not os.path.exists(directory)  # os._exit skips atexit: the guard removed it
