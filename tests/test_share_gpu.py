@@ -148,6 +148,9 @@ def test_a_kernel_started_with_the_variable_shares_by_default():
 
 # ---- on a GPU: NCCL worlds that share one ---------------------------------------------------
 
+# the engines see one GPU whatever the machine has: the ranks share it on a multi-GPU host too
+ONE_GPU = {"environment": {"CUDA_VISIBLE_DEVICES": os.environ.get(
+    "CUDA_VISIBLE_DEVICES", "0").split(",")[0]}}
 CHECK = ("import os\nt = torch.ones(1, device=device) * (rank + 1)\ndist.all_reduce(t)\n"
          "(float(t), str(t.device), dist.get_backend(), os.environ['NCCL_HOSTID'], "
          "os.environ['LOCAL_RANK'])")
@@ -159,7 +162,8 @@ CHECK = ("import os\nt = torch.ones(1, device=device) * (rank + 1)\ndist.all_red
 def test_ranks_sharing_one_gpu_all_reduce_over_nccl(n, fast_config, capsys):
     from nbdist.worker.process_group import torch_backend
 
-    cluster = Cluster(n=n, share_gpu=True, config=fast_config).start(progress=print)
+    cluster = Cluster(n=n, share_gpu=True, config=fast_config,
+                      launcher_options=ONE_GPU).start(progress=print)
     try:
         assert "for learning and testing, not speed" in capsys.readouterr().out
         assert cluster.backend == "nccl" and {p.device for p in cluster.ranks} == {"cuda:0"}
@@ -184,7 +188,8 @@ def test_ranks_sharing_one_gpu_all_reduce_over_nccl(n, fast_config, capsys):
 @pytest.mark.gpu
 @pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")
 def test_sharing_ranks_memory_limit_is_per_rank_and_nvml_names_each_process(fast_config):
-    cluster = Cluster(n=2, share_gpu=True, memory_limit="1GiB", config=fast_config).start()
+    cluster = Cluster(n=2, share_gpu=True, memory_limit="1GiB", config=fast_config,
+                      launcher_options=ONE_GPU).start()
     try:
         fits = "x = torch.empty(512 * 2**20, dtype=torch.uint8, device=device)\nint(x.numel())"
         cluster.run(fits, timeout=120).raise_for_errors()  # 0.5 GiB each, 1 GiB on the GPU
