@@ -177,7 +177,7 @@ class ClusterCore:
         self.backend = specs[0].backend
         sharing = rank_setup.sharing_note(specs)
         if sharing:
-            say(f"nbdist: {sharing}")
+            say(sharing)
         self.rendezvous.choose(mode.spans_hosts, specs, probes)
         self.cell_channel = open_channel(self.cell_channel, client,
                                          self.rendezvous.notebook_host(client, probes),
@@ -185,7 +185,7 @@ class ClusterCore:
         threads = rank_setup.rank_threads(specs, probes, self.requested_threads)
         self.ranks = rank_setup.new_generation(self, specs, probes, threads, living=[])
         for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
-            say(f"nbdist: {note}")
+            say(note)
 
     def all_pids(self) -> list[int]:
         return [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]
