@@ -122,13 +122,15 @@ def results(out: Path, deadline: float) -> int:
     plans = [(gpus, False, ["--steps", "20", "--warmup", "5"])]
     if gpus == 1:
         plans.append((2, True, ["--steps", "10", "--warmup", "3"]))
-    log = []
-    for n, share, steps in plans:
-        for strategy in ("ddp", "fsdp2"):
-            log.append(_torchrun(n, strategy, steps, out, min(90.0, _left(deadline, 30))))
-        log.append(_nbdist(n, share, out, deadline, steps))
-    (out / "results.log").write_text("\n".join(log) + "\n")
-    print("\n".join(log))
+    with (out / "results.log").open("a") as log:  # line by line: the part may be stopped
+        for n, share, steps in plans:
+            for strategy in ("ddp", "fsdp2"):
+                said = _torchrun(n, strategy, steps, out, min(90.0, _left(deadline, 30)))
+                print(said, file=log, flush=True)
+                print(said, flush=True)
+            said = _nbdist(n, share, out, deadline, steps)
+            print(said, file=log, flush=True)
+            print(said, flush=True)
     return 0
 
 
