@@ -153,7 +153,7 @@ ONE_GPU = {"environment": {"CUDA_VISIBLE_DEVICES": os.environ.get(
     "CUDA_VISIBLE_DEVICES", "0").split(",")[0]}}
 CHECK = ("import os\nt = torch.ones(1, device=device) * (rank + 1)\ndist.all_reduce(t)\n"
          "(float(t), str(t.device), dist.get_backend(), os.environ['NCCL_HOSTID'], "
-         "os.environ['LOCAL_RANK'])")
+         "os.environ['LOCAL_RANK'], type(dist.group.WORLD._get_backend(t.device)).__name__)")
 
 
 @pytest.mark.gpu
@@ -173,6 +173,7 @@ def test_ranks_sharing_one_gpu_all_reduce_over_nccl(n, fast_config, capsys):
         assert {v[:3] for v in values} == {(total, "cuda:0", torch_backend("nccl"))}
         assert len({v[3] for v in values}) == n  # a host of its own each
         assert [v[4] for v in values] == [str(r) for r in range(n)]
+        assert {v[5] for v in values} == {"ProcessGroupNCCL"}  # what a CUDA tensor's goes to
         for hook in ("dist.barrier()", "dist.broadcast(torch.ones(3, device=device), 0)"):
             cluster.run(hook, timeout=120).raise_for_errors()
         # rank 1's LOCAL_RANK is no GPU here: said at start, and torch's error says which is
