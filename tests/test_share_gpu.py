@@ -198,11 +198,18 @@ def test_sharing_ranks_memory_limit_is_per_rank_and_nvml_names_each_process(fast
                            ranks=[1], timeout=120)
         assert over.errors[1].headline().startswith(
             "rank 1 ran out of memory: it is limited to 1.00 GiB"), over.failure_message()
-        sample = ("from nbdist.worker.rank_memory import MemorySampler\nimport threading\n"
+        pytest.importorskip("pynvml")
+        sample = ("import os, threading, pynvml\n"
+                  "from nbdist.worker.rank_memory import MemorySampler, _open_nvml\n"
                   "s = MemorySampler(device)\nout = {}\n"
                   "t = threading.Thread(target=lambda: out.update(s.sample(0)))\n"
-                  "t.start(); t.join()\n(out.get('nvml_process') or 0) > 512 * 2**20")
-        assert cluster.run(sample, timeout=120).raise_for_errors().grouped_values() == [
-            ([0, 1], "True")]
+                  "t.start(); t.join()\nnvml, handle = _open_nvml(device)\n"
+                  "listed = os.getpid() in [p.pid for p in "
+                  "nvml.nvmlDeviceGetComputeRunningProcesses(handle)]\n"
+                  "(listed, (out.get('nvml_process') or 0) > 512 * 2**20)")
+        seen = cluster.run(sample, timeout=120).raise_for_errors().grouped_values()
+        if seen == [([0, 1], "(False, False)")]:
+            pytest.skip("NVML lists these processes under other PIDs (a PID namespace)")
+        assert seen == [([0, 1], "(True, True)")]  # each rank's own, its 0.5 GiB in it
     finally:
         cluster.stop()
