@@ -50,15 +50,20 @@ class Cluster(ClusterCore):
     """
 
     def __init__(self, *args: Any, memory_limit: int | str | None = None,
+                 share_gpu: bool | None = None,
                  tensorboard: str | os.PathLike[str] | None = None, **kwargs: Any) -> None:
         """`memory_limit`: what each rank may allocate after start-up (bytes, "512MiB", "1GiB",
         "2GB"); past it the rank's allocation fails and the report names the rank and the limit
-        (nbdist.worker.rank_memory). `tensorboard`: a log directory; every rank's `nbdist.log`
-        values are also written there as TensorBoard scalars (`loss/rank0`, ...) in one new run
-        directory, `self.tensorboard.run_dir`. The rest: see `ClusterCore`."""
+        (nbdist.worker.rank_memory). `share_gpu`: ranks that outnumber the GPUs share them, NCCL
+        between them (for learning and testing; None: the config's, `NBDIST_SHARE_GPU`).
+        `tensorboard`: a log directory; every rank's `nbdist.log` values are also written there
+        as TensorBoard scalars (`loss/rank0`, ...) in one new run directory,
+        `self.tensorboard.run_dir`. The rest: see `ClusterCore`."""
         config = kwargs.get("config") or DEFAULT
-        if memory_limit is not None and isinstance(config, NbdistConfig):
-            kwargs["config"] = config.replace(memory_limit=memory_limit)  # checked there
+        changes = {name: value for name, value in (("memory_limit", memory_limit),
+                                                   ("share_gpu", share_gpu)) if value is not None}
+        if changes and isinstance(config, NbdistConfig):
+            kwargs["config"] = config.replace(**changes)  # checked there
         self.tensorboard: TensorBoardWriter | None = None
         if tensorboard is not None:  # checked (and the package looked for) before anything starts
             from nbdist.dashboard.tensorboard import TensorBoardWriter

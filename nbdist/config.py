@@ -44,6 +44,11 @@ class StartConfig:
     may allocate after start-up (RLIMIT_DATA on CPU, a CUDA memory fraction on GPU). None: no
     limit. Set by ``Cluster(memory_limit=...)`` and ``%dist_start --memory-limit``."""
 
+    share_gpu: bool | None = None
+    """Ranks that outnumber a host's GPUs share them round-robin, NCCL between them, instead of
+    running on the CPU (gloo): for learning and testing, not speed (docs/NCCL.md). None: the
+    notebook's ``NBDIST_SHARE_GPU`` (1 or 0). ``Cluster(share_gpu=)``, ``--share-gpu``."""
+
     def __post_init__(self) -> None:
         _check_fields(self)
         object.__setattr__(self, "memory_limit", memory_limit_bytes(self.memory_limit))
@@ -326,11 +331,11 @@ def _check_fields(section: Any) -> None:
         value, kind, name = getattr(section, f.name), str(f.type), f"NbdistConfig.{f.name}"
         if f.name == "memory_limit" or value is None and "None" in kind or kind == "str":
             continue  # (a str field is checked by its section)
-        if kind == "bool" and not isinstance(value, bool):
+        if kind.startswith("bool") and not isinstance(value, bool):
             raise NbdistError(f"{name} {value!r}: must be True or False")
         if kind == "int":
             check_whole(value, name, minimum=0)
-        elif kind != "bool":
+        elif not kind.startswith("bool"):
             zero = not f.name.endswith(("_timeout", "_interval")) or f.name in _MAY_BE_ZERO
             check_seconds(value, name, zero=zero)
 

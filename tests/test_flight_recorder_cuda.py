@@ -1,6 +1,7 @@
-"""NCCL faults on a GPU (marked ``gpu``; skipped without two CUDA GPUs): the flight recorder's
-report of a collective one rank skips, the dump on timeout in the rank's private directory, and
-engines (with a model on every rank) that outlive a collective timeout and an interrupted kernel.
+"""NCCL faults on a GPU (marked ``gpu``; two ranks on two GPUs, or both sharing a machine's one):
+the flight recorder's report of a collective one rank skips, the dump on timeout in the rank's
+private directory, and engines (with a model on every rank) that outlive a collective timeout
+and an interrupted kernel.
 
     .venv/bin/python -m pytest -q -m gpu tests/test_flight_recorder_cuda.py
 """
@@ -16,10 +17,11 @@ import pytest
 import torch
 
 from nbdist import Cluster
+from tests.gpu_ranks import two_ranks
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS < 2, reason="needs two CUDA GPUs")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
 
 MODEL = ("net = torch.nn.Linear(64, 64, device=device)\n"
          "with torch.no_grad():\n    net.weight.fill_(rank + 1)\n")
@@ -41,7 +43,7 @@ def assert_model_kept_and_group_works(cluster: Cluster, pids: list[int]) -> None
 
 @pytest.fixture
 def nccl2(fast_config):
-    cluster = Cluster(n=2, config=fast_config.replace(nccl_process_group_timeout=5.0)).start()
+    cluster = two_ranks(fast_config.replace(nccl_process_group_timeout=5.0))
     try:
         cluster.run(MODEL).raise_for_errors()
         yield cluster

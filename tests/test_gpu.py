@@ -3,8 +3,8 @@ sampler against torch.cuda and NVML, fault rows on NCCL, DeepSpeed on GPU.
 
     .venv/bin/python -m pytest -q -m gpu tests/test_gpu.py
 
-Rows that need two ranks need two GPUs (NCCL refuses two ranks on one device); with one GPU they
-are skipped and the one-rank rows still run.
+Rows that need two ranks run on two GPUs, or on a one-GPU machine as two ranks sharing it
+(--share-gpu, tests/gpu_ranks.py); the other rows run one rank per GPU.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from nbdist import Cluster
+from tests.gpu_ranks import at_least_two
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -26,7 +27,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU"),
 ]
-needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs (NCCL: one rank per device)")
 
 
 @pytest.fixture(scope="module")
@@ -36,6 +36,11 @@ def gpu_cluster(fast_config):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def nccl_pair(gpu_cluster: Cluster, fast_config):
+    yield from at_least_two(gpu_cluster, fast_config)
 
 
 def test_nccl_group_one_rank_per_gpu_pinned(gpu_cluster: Cluster):
@@ -116,8 +121,8 @@ def test_row7_cuda_out_of_memory_is_attributed_with_numbers(gpu_cluster: Cluster
     gpu_cluster.run("t = torch.ones(1, device=device)\ndist.all_reduce(t)").raise_for_errors()
 
 
-@needs_two
-def test_row1_rank_raises_while_others_wait_nccl(gpu_cluster: Cluster):
+def test_row1_rank_raises_while_others_wait_nccl(nccl_pair: Cluster):
+    gpu_cluster = nccl_pair
     code = "x = torch.ones(1, device=device)\nif rank == 1:\n    raise ValueError('rank 1 broke')\ndist.all_reduce(x)\n"
     started = time.perf_counter()
     result = gpu_cluster.run(code, timeout=60)
@@ -128,8 +133,8 @@ def test_row1_rank_raises_while_others_wait_nccl(gpu_cluster: Cluster):
     gpu_cluster.run("t = torch.ones(1, device=device)\ndist.all_reduce(t)").raise_for_errors()
 
 
-@needs_two
-def test_row6_stop_while_inside_an_nccl_collective(gpu_cluster: Cluster):
+def test_row6_stop_while_inside_an_nccl_collective(nccl_pair: Cluster):
+    gpu_cluster = nccl_pair
     code = "import time\nif rank == 1:\n    time.sleep(600)\nt = torch.ones(1, device=device)\ndist.all_reduce(t)\ntorch.cuda.synchronize()\n"
     timer = threading.Timer(1.5, os.kill, args=(os.getpid(), signal.SIGINT))
     timer.start()

@@ -17,6 +17,7 @@ import torch
 
 from nbdist import Cluster
 from nbdist.worker.process_group import NCCL_ENVIRONMENT
+from tests.gpu_ranks import SHARED, at_least_two, two_ranks
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -24,7 +25,6 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU"),
 ]
-needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 ALL_REDUCE = "t = torch.ones(1, device=device) * (rank + 1)\ndist.all_reduce(t)\nfloat(t)"
 
 
@@ -39,6 +39,12 @@ def nccl_cluster(fast_config):
         yield cluster
     finally:
         cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def nccl_pair(nccl_cluster: Cluster, fast_config):
+    """Two ranks or more: one per GPU, or two sharing a machine's one GPU."""
+    yield from at_least_two(nccl_cluster, fast_config)
 
 
 def test_1_cpu_tensors_and_fsdp_work_on_the_nccl_group(nccl_cluster: Cluster):
@@ -57,8 +63,8 @@ def test_1_cpu_tensors_and_fsdp_work_on_the_nccl_group(nccl_cluster: Cluster):
     assert result.grouped_values() == [(list(range(n)), "True")]
 
 
-@needs_two
-def test_2_a_collective_one_rank_queued_is_not_paired_with_the_next(nccl_cluster: Cluster):
+def test_2_a_collective_one_rank_queued_is_not_paired_with_the_next(nccl_pair: Cluster):
+    nccl_cluster = nccl_pair
     n = nccl_cluster.world_size
     code = ("t = torch.ones(1, device=device)\nif rank == 0:\n    dist.all_reduce(t)\n"
             "else:\n    raise ValueError('stopped before the all_reduce')\n")
@@ -78,10 +84,8 @@ def test_3_the_nccl_environment_is_in_force(nccl_cluster: Cluster):
         (list(range(nccl_cluster.world_size)), repr(expected))]
 
 
-@needs_two
 def test_3_a_timed_out_nccl_collective_does_not_end_the_engines(fast_config):
-    config = dataclasses.replace(fast_config, nccl_process_group_timeout=5.0)
-    cluster = Cluster(n=2, config=config).start()
+    cluster = two_ranks(dataclasses.replace(fast_config, nccl_process_group_timeout=5.0))
     try:
         code = ("import time\nt = torch.ones(1, device=device)\nif rank == 1:\n    time.sleep(20)\n"
                 "dist.all_reduce(t)\ntorch.cuda.synchronize()\n")
@@ -95,8 +99,8 @@ def test_3_a_timed_out_nccl_collective_does_not_end_the_engines(fast_config):
         cluster.stop()
 
 
-@needs_two
-def test_4_after_a_hung_barrier_the_nccl_group_is_re_formed(nccl_cluster: Cluster):
+def test_4_after_a_hung_barrier_the_nccl_group_is_re_formed(nccl_pair: Cluster):
+    nccl_cluster = nccl_pair
     n = nccl_cluster.world_size
     result = nccl_cluster.run("if rank == 0:\n    dist.barrier()\n", timeout=5)
     assert any("rebuilt" in a for a in result.actions), result.actions
@@ -125,9 +129,9 @@ def test_5_an_engine_limited_to_one_gpu_reports_that_gpus_uuid():
     assert last == [every[-1]]  # renumbered to 0, still the same card: the rank map can tell
 
 
-@needs_two
 def test_6_a_rank_with_two_gpus_runs_ddp_over_both(fast_config):
-    cluster = Cluster(n=1, gpus_per_rank=2, config=fast_config).start()
+    # on one GPU (shared) the rank's two GPUs are that one twice: the same code, one device
+    cluster = Cluster(n=1, gpus_per_rank=2, share_gpu=SHARED, config=fast_config).start()
     try:
         code = (
             "from torch.nn.parallel import DistributedDataParallel as DDP\n"
@@ -144,7 +148,8 @@ def test_6_a_rank_with_two_gpus_runs_ddp_over_both(fast_config):
             "[str(g) for g in gpus]"
         )
         result = cluster.run(code, timeout=120).raise_for_errors()
-        assert result.grouped_values() == [([0], "['cuda:0', 'cuda:1']")]
+        expected = ["cuda:0", "cuda:0" if SHARED else "cuda:1"]
+        assert result.grouped_values() == [([0], repr(expected))]
     finally:
         cluster.stop()
 
@@ -164,7 +169,7 @@ def test_7_more_ranks_than_gpus_run_on_the_cpu_unless_nccl_is_asked_for(fast_con
     from nbdist.errors import NbdistError, NbdistWarning
 
     with pytest.warns(NbdistWarning, match=f"start -n {GPUS};"):
-        cluster = Cluster(n=GPUS + 1, config=fast_config).start()
+        cluster = Cluster(n=GPUS + 1, share_gpu=False, config=fast_config).start()
     try:
         assert cluster.backend == "gloo"
         code = ("from deepspeed.accelerator import get_accelerator\n"
@@ -176,7 +181,7 @@ def test_7_more_ranks_than_gpus_run_on_the_cpu_unless_nccl_is_asked_for(fast_con
     finally:
         cluster.stop()
     with pytest.raises(NbdistError, match=f"but {GPUS} are visible"):
-        Cluster(n=GPUS + 1, backend="nccl", config=fast_config).start()
+        Cluster(n=GPUS + 1, backend="nccl", share_gpu=False, config=fast_config).start()
 
 
 def test_8_the_users_peak_counter_spans_cells(nccl_cluster: Cluster):

@@ -106,6 +106,17 @@ def flag(value: Any) -> bool:
     return bool(value)
 
 
+SHARE_GPU_VARIABLE = "NBDIST_SHARE_GPU"
+"""--share-gpu's default, read from the notebook's environment at each start (.ci/gpu-check)."""
+
+
+def share_gpu_chosen(configured: bool | None) -> bool:
+    """`StartConfig.share_gpu`, or where that is None, NBDIST_SHARE_GPU (1/0, yes/no, ...)."""
+    if configured is not None:
+        return configured
+    return flag(os.environ.get(SHARE_GPU_VARIABLE, ""))
+
+
 def as_list(value: Any, name: str) -> list[str]:
     """A list of strings, or one string split into shell-like words."""
     if isinstance(value, str):

@@ -16,6 +16,7 @@ from nbdist.cluster.arguments import (
     check_cluster_arguments,
     check_pushed_values,
     check_variable_name,
+    share_gpu_chosen,
 )
 from nbdist.cluster.cell_channel import NotebookChannel, open_channel
 from nbdist.cluster.gather import Gathered
@@ -135,6 +136,7 @@ class ClusterCore:
         if self.running:
             return self
         started = time.perf_counter()
+        self._check_gpu_to_share()
         self._processes.create_workdir()
         try:
             say = progress or (lambda _msg: None)
@@ -151,13 +153,31 @@ class ClusterCore:
         atexit.register(_stop_at_exit, weakref.ref(self))
         return self
 
+    @property
+    def share_gpu(self) -> bool:
+        """Whether ranks that outnumber the GPUs share them (--share-gpu, NBDIST_SHARE_GPU)."""
+        return share_gpu_chosen(self.config.start.share_gpu)
+
+    def _check_gpu_to_share(self) -> None:
+        """--share-gpu on engines started here: this machine's GPUs counted before any starts
+        (engines elsewhere are checked once they tell what they see)."""
+        plan = self.launch_mode.plan
+        if not self.share_gpu or plan is None or plan.spans_hosts:
+            return
+        if plan.launcher == "local" and rank_setup.local_gpu_count() == 0:
+            rank_setup.require_gpu_to_share({"this machine": 0})
+
     def _bootstrap(self, say: Progress, ids: list[int]) -> None:
         client, mode = self.launch_mode.client, self.launch_mode
         say(f"{len(ids)} engine(s) registered; setting up ranks")
         probes = rank_setup.probe(client, ids, self.config.start.bootstrap_timeout)
         specs = rank_setup.plan_ranks(probes, self.requested_backend, self.gpus_per_rank,
-                                      [p.spec.host for p in self.ranks] or None)
+                                      [p.spec.host for p in self.ranks] or None,
+                                      share_gpu=self.share_gpu)
         self.backend = specs[0].backend
+        sharing = rank_setup.sharing_note(specs)
+        if sharing:
+            say(sharing)
         self.rendezvous.choose(mode.spans_hosts, specs, probes)
         self.cell_channel = open_channel(self.cell_channel, client,
                                          self.rendezvous.notebook_host(client, probes),
@@ -165,7 +185,7 @@ class ClusterCore:
         threads = rank_setup.rank_threads(specs, probes, self.requested_threads)
         self.ranks = rank_setup.new_generation(self, specs, probes, threads, living=[])
         for note in dict.fromkeys(note for rank in self.ranks for note in rank.notes):
-            say(f"nbdist: {note}")
+            say(note)
 
     def all_pids(self) -> list[int]:
         return [pid for pid, _ct in self.launch_mode.owned_pids(self.ranks)]

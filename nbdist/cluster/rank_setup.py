@@ -41,14 +41,44 @@ def rank_count(requested_n: int | None, plan: LauncherPlan | None) -> int:
     ssh_hosts = plan.config.get("SSHEngineSetLauncher", {}).get("engines") if plan else None
     if ssh_hosts:
         return int(sum(ssh_hosts.values()))
+    return local_gpu_count() or 2
+
+
+# where a CUDA driver shows its devices (NVIDIA), ROCm its one (AMD), WSL its GPU bridge
+_GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")
+
+
+def local_gpu_count() -> int | None:
+    """The GPUs an engine started here would see, without importing CUDA in the notebook:
+    CUDA_VISIBLE_DEVICES, else nvidia-smi's list; None when neither can tell (no nvidia-smi on
+    a machine with a GPU driver's device files)."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"]) or 2
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10)
-        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU ")) or 2
+        return sum(1 for line in out.stdout.splitlines() if line.startswith("GPU "))
     except (OSError, subprocess.TimeoutExpired):
-        return 2
+        return None if any(map(os.path.exists, _GPU_DEVICE_FILES)) else 0
+
+
+def require_gpu_to_share(gpu_counts: dict[str, int]) -> None:
+    """--share-gpu's one-line error for hosts (name -> GPUs seen) without a GPU."""
+    empty = sorted(host for host, count in gpu_counts.items() if count == 0)
+    if empty:
+        raise ClusterStartError(
+            f"--share-gpu (share_gpu=True) puts the ranks on a GPU, and {', '.join(empty)} has "
+            "none that CUDA sees: start without it for CPU ranks (gloo).")
+
+
+def sharing_note(specs: list[RankSpec]) -> str | None:
+    """The line a start prints when ranks share a GPU; None when none do."""
+    shared = [s for s in specs if s.shares_gpu]
+    if not shared:
+        return None
+    devices = ", ".join(sorted({s.device for s in shared}))
+    return (f"{len(shared)} ranks share {devices} (--share-gpu), NCCL between them over "
+            "loopback sockets: for learning and testing, not speed")
 
 
 def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, Any]:
@@ -62,16 +92,20 @@ def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, Any]:
 
 
 def plan_ranks(probes: dict[int, Any], requested_backend: str, gpus_per_rank: int,
-               host_order: list[str] | None) -> list[RankSpec]:
+               host_order: list[str] | None, share_gpu: bool = False) -> list[RankSpec]:
     """The rank table (hosts in `host_order` first: ranks survive restarts)."""
     infos = [EngineInfo(engine_id=eid, host=found["host"], pid=found["pid"],
                         gpu_count=found["gpu_count"],
                         gpu_uuids=tuple(found.get("gpu_uuids") or ()),
                         local_id=found.get("local_id"))
              for eid, found in sorted(probes.items())]
-    gpus_per_rank = gpus_or_cpu(infos, requested_backend, gpus_per_rank)
+    if share_gpu:
+        require_gpu_to_share({i.host: i.gpu_count for i in infos})
+    else:
+        gpus_per_rank = gpus_or_cpu(infos, requested_backend, gpus_per_rank)
     backend = choose_backend(requested_backend, [i.gpu_count for i in infos], gpus_per_rank)
-    return build_rank_map(infos, backend, gpus_per_rank, host_order=host_order)
+    return build_rank_map(infos, backend, gpus_per_rank, host_order=host_order,
+                          share_gpu=share_gpu)
 
 
 def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: int) -> int:
@@ -83,6 +117,7 @@ def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: 
     fits = max(min(i.gpu_count for i in infos) // gpus_per_rank, 1)
     warnings.warn(NbdistWarning(
         f"{shortfall}: every rank runs on the CPU (gloo). For one rank per GPU start -n {fits}; "
+        "--share-gpu puts them on the GPU(s) with NCCL (slow; for learning and testing); "
         "--backend nccl makes this an error."), stacklevel=2)
     return 0
 

@@ -145,9 +145,10 @@ def gpu_shortfall(engines: list[EngineInfo], gpus_per_rank: int) -> str | None:
 
 
 def build_rank_map(engines: list[EngineInfo], backend: str, gpus_per_rank: int = 1,
-                   host_order: list[str] | None = None) -> list[RankSpec]:
+                   host_order: list[str] | None = None, share_gpu: bool = False) -> list[RankSpec]:
     """Group engines by host (`host_order` first, then first-seen), each host's in launch order;
-    with GPUs, local rank r on a host owns GPUs r*k ... r*k+k-1 (k = gpus_per_rank)."""
+    with GPUs, local rank r on a host owns GPUs r*k ... r*k+k-1 (k = gpus_per_rank), or with
+    `share_gpu`, where those run out, the visible GPUs again from the first (round-robin)."""
     if not engines:
         raise NbdistError("no engines registered: nothing to give ranks to")
     grouped = _by_host(engines)
@@ -156,11 +157,13 @@ def build_rank_map(engines: list[EngineInfo], backend: str, gpus_per_rank: int =
     specs: list[RankSpec] = []
     for host in hosts:
         members = _launch_order(grouped[host])
-        per_rank = _host_gpus(host, members, gpus_per_rank if use_gpus else 0)
+        per_rank = _host_gpus(host, members, gpus_per_rank if use_gpus else 0, share_gpu)
+        firsts = [gpus[0] for gpus in per_rank if gpus]
         for local_rank, (engine, gpus) in enumerate(zip(members, per_rank, strict=True)):
             specs.append(RankSpec(rank=len(specs), local_rank=local_rank, world_size=len(engines),
                                   local_world_size=len(members), host=host,
-                                  engine_id=engine.engine_id, backend=backend, gpus=gpus))
+                                  engine_id=engine.engine_id, backend=backend, gpus=gpus,
+                                  shares_gpu=bool(gpus) and firsts.count(gpus[0]) > 1))
     return specs
 
 
@@ -172,9 +175,11 @@ def _launch_order(members: list[EngineInfo]) -> list[EngineInfo]:
     return sorted(members, key=lambda e: e.engine_id)
 
 
-def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tuple[int, ...]]:
-    """Each member's GPUs, as indices it sees: engines that see the same GPUs split them, those
-    that see GPUs of their own own the first `per_rank` of them."""
+def _host_gpus(host: str, members: list[EngineInfo], per_rank: int,
+               share_gpu: bool = False) -> list[tuple[int, ...]]:
+    """Each member's GPUs, as indices it sees: engines that see the same GPUs split them (with
+    `share_gpu`, round-robin once they run out), those that see GPUs of their own own the first
+    `per_rank` of them."""
     if per_rank == 0:
         return [() for _ in members]
     sets = [frozenset(e.gpu_uuids) for e in members]
@@ -193,11 +198,15 @@ def _host_gpus(host: str, members: list[EngineInfo], per_rank: int) -> list[tupl
             "cannot tell which GPU is whose. Give every task the same GPUs, or each its own.")
     needed = len(members) * per_rank
     visible = min(e.gpu_count for e in members)
+    if share_gpu and needed > visible > 0:
+        return [tuple((r * per_rank + j) % visible for j in range(per_rank))
+                for r in range(len(members))]
     if needed > visible:
         raise NbdistError(
             f"host {host}: {len(members)} ranks x {per_rank} GPU(s) per rank needs {needed} "
             f"GPUs, but {visible} are visible. Start fewer ranks (-n "
-            f"{max(visible // per_rank, 1)}) or lower --gpus-per-rank.")
+            f"{max(visible // per_rank, 1)}), lower --gpus-per-rank, or let ranks share GPUs "
+            "(--share-gpu).")
     return [tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(len(members))]
 
 

@@ -118,6 +118,7 @@ class DistMagics(Magics):
               help="default deadline for every %%%%distributed cell")
     @argument("--memory-limit", type=memory_size, default=None, metavar="SIZE",
               help="what each rank may allocate after start-up, e.g. 512MiB, 1GiB")
+    @argument("--share-gpu", action="store_true", help="ranks beyond the GPUs share them (NCCL)")
     @argument("--check-collectives", action="store_true",
               help="torch compares every collective's sizes across ranks first (slower)")
     @argument("--launcher", choices=list(LAUNCHERS), default="local",
@@ -147,7 +148,7 @@ class DistMagics(Magics):
                   "(use %dist_stop first, or %dist_restart)")
             print(_CURRENT.status())
             return
-        config = start_config(args.timeout, args.check_collectives)
+        config = start_config(args.timeout, args.check_collectives, args.share_gpu)
         with _as_usage_error():
             launch = launcher_kwargs(
                 launcher=args.launcher, profile=args.profile, master_addr=args.master_addr,

@@ -90,10 +90,13 @@ def push_values(items: Sequence[str], namespace: Mapping[str, Any],
     return values
 
 
-def start_config(timeout: float | None, check_collectives: bool) -> NbdistConfig:
-    """%dist_start's config: the defaults, with its --timeout and --check-collectives."""
+def start_config(timeout: float | None, check_collectives: bool,
+                 share_gpu: bool = False) -> NbdistConfig:
+    """%dist_start's config: the defaults, with its --timeout, --check-collectives and
+    --share-gpu (left out, NBDIST_SHARE_GPU decides)."""
     config = DEFAULT if timeout is None else DEFAULT.replace(cell_timeout=timeout)
-    return config.replace(check_collectives=True) if check_collectives else config
+    config = config.replace(check_collectives=True) if check_collectives else config
+    return config.replace(share_gpu=True) if share_gpu else config
 
 
 def started_message(cluster: Any, tensorboard: str | None) -> str:

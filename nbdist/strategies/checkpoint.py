@@ -36,6 +36,9 @@ def save_checkpoint(path: str | Path, model: Any, optimizer: Any = None) -> Path
                 "has_optimizer": optimizer is not None}
         (target / MARKER).write_text(json.dumps(meta))
     _barrier()
+    if not (target / MARKER).is_file():
+        raise FileNotFoundError(_not_shared(target, f"rank {_rank()} does not see the "
+                                            f"{MARKER} rank 0 just wrote there"))
     return target
 
 
@@ -116,9 +119,13 @@ def _format(source: Path) -> str:
         return "dcp"
     if (source / "latest").is_file():
         return "deepspeed"
-    raise FileNotFoundError(
-        f"no checkpoint in {source} (neither DCP .metadata nor DeepSpeed 'latest')"
-    )
+    raise FileNotFoundError(_not_shared(
+        source, "no checkpoint there (neither DCP .metadata nor DeepSpeed 'latest')"))
+
+
+def _not_shared(path: Path, what: str) -> str:
+    return (f"{path}: {what}. Every rank must see the same directory: across hosts each one's "
+            "working directory is its own, so give a path on a filesystem every host mounts")
 
 
 def _unpack(model: Any, optimizer: Any) -> tuple[Any, Any, Strategy]:

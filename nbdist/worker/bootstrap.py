@@ -25,6 +25,7 @@ from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
 from nbdist.worker.cell_channel import open_channel
 from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
+from nbdist.worker.pinning import pin_device
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
 from nbdist.worker.setup_message import RankReady, RankSetup
 
@@ -36,11 +37,6 @@ class RankRuntime:
 
 
 RUNTIME = RankRuntime()
-
-RANK_DEVICE_VAR = "NBDIST_DEVICE"  # the rank's own device, for nbdist.strategies
-
-# where gloo, NCCL and TensorPipe (torch.distributed.rpc) open their sockets
-LOCAL_SOCKET_IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "TP_SOCKET_IFNAME")
 
 # which task on the host this is, per launcher (Slurm, Open MPI, MPICH/Intel MPI)
 LOCAL_ID_VARS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
@@ -110,7 +106,8 @@ def setup_rank(setup: RankSetup) -> RankReady:
             sys.path.insert(0, setup.cwd)
     notes = process_group.apply_environment(setup)
     _present_as_torchrun_worker()
-    device = _pin_device(setup)
+    device, placed = pin_device(setup)
+    notes += placed
     collectives.install()
     release.watch_new_groups()  # a sub-group's collective is released like the world's
     shell = get_ipython()
@@ -149,27 +146,6 @@ def _present_as_torchrun_worker() -> None:
         module = sys.modules.get(name)
         if module is not None:
             module.tqdm, module.trange = tqdm, trange  # type: ignore[attr-defined]
-
-
-def _pin_device(setup: RankSetup) -> Any:
-    """This rank's device (its first GPU, else the CPU) and the interface its sockets use."""
-    import torch
-
-    device = torch.device(setup.spec.device)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    else:  # DeepSpeed would see the host's GPUs and set_device(LOCAL_RANK): invalid on a CPU rank
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    # nbdist.prepare() computes here too: a CPU rank on a GPU host must not land on cuda:0
-    os.environ[RANK_DEVICE_VAR] = str(device)
-    if setup.master_addr.startswith("127."):
-        # one host: else gloo, NCCL and TensorPipe listen on the interface the host name resolves
-        # to (or NCCL's first non-loopback one); a name the user exported stays theirs
-        for name in LOCAL_SOCKET_IFNAME_VARS:
-            os.environ.setdefault(name, "lo")
-    if setup.interface:  # multi-host: the interface that reaches the other ranks, on every rank
-        os.environ.update(dict.fromkeys(LOCAL_SOCKET_IFNAME_VARS, setup.interface))
-    return device
 
 
 def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> TelemetryAgent:

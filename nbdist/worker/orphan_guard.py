@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Any
 
+from nbdist.worker.process_group import remove_temporary_dumps
 from nbdist.worker.process_tree import exit_with_descendants, same_process
 
 LOST_POLL_SECONDS = 0.1  # while the notebook's end is disconnected: how often to look again
@@ -49,6 +50,7 @@ def _watch(monitor: Any, notebook: Notebook | None, grace: float) -> None:
                 # stop its descendants too: the main thread may be blocked in a collective
                 print("nbdist: the notebook kernel is gone; this rank ends",
                       file=sys.__stderr__, flush=True)
+                remove_temporary_dumps()  # the exit skips atexit
                 exit_with_descendants(grace)
     except zmq.ZMQError:  # the context is ending with the engine
         return

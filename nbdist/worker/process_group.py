@@ -83,8 +83,18 @@ def dump_environment(current: Mapping[str, str], rank: int,
         os.makedirs(directory, mode=0o700, exist_ok=True)
     else:
         directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
-        atexit.register(shutil.rmtree, directory, ignore_errors=True)
+        TEMPORARY_DUMPS.append(directory)
+        atexit.register(remove_temporary_dumps)
     return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}
+
+
+TEMPORARY_DUMPS: list[str] = []  # a rank away from the notebook's machine: its own dump dirs
+
+
+def remove_temporary_dumps() -> None:
+    """At exit, and when the rank ends itself without one (the kernel is gone: os._exit)."""
+    while TEMPORARY_DUMPS:
+        shutil.rmtree(TEMPORARY_DUMPS.pop(), ignore_errors=True)
 
 
 def check_collectives(check: bool) -> list[str]:

@@ -134,9 +134,22 @@ class MemorySampler:
             return {}
         try:
             return {"util": int(nvml.nvmlDeviceGetUtilizationRates(handle).gpu),
-                    "nvml_used": int(nvml.nvmlDeviceGetMemoryInfo(handle).used)}
+                    "nvml_used": int(nvml.nvmlDeviceGetMemoryInfo(handle).used),
+                    "nvml_process": nvml_process_memory(nvml, handle, os.getpid())}
         except Exception:
             return {}
+
+
+def nvml_process_memory(nvml: Any, handle: Any, pid: int) -> int | None:
+    """What NVML counts for process `pid` on the device, its CUDA context included (ranks that
+    share a GPU each see all of theirs in nvml_used); None where NVML lists it under another
+    PID (a container's PID namespace) or not at all."""
+    try:
+        running = nvml.nvmlDeviceGetComputeRunningProcesses(handle)
+    except Exception:
+        return None
+    used = [p.usedGpuMemory for p in running if p.pid == pid and p.usedGpuMemory is not None]
+    return int(used[0]) if used else None
 
 
 def nvml_uuids(torch_uuid: str) -> list[str]:

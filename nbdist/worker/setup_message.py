@@ -21,6 +21,7 @@ class RankSpec:
     engine_id: int
     backend: str
     gpus: tuple[int, ...] = field(default_factory=tuple)
+    shares_gpu: bool = False  # another rank on its host computes on its GPU too (--share-gpu)
 
     @property
     def device(self) -> str:

@@ -3,6 +3,7 @@ a peer gone): IPython's formatter costs seconds of CPU per rank there (docs/FAUL
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback as _traceback
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 from nbdist import ipp_compat, torch_support
 from nbdist.worker import rank_memory
 from nbdist.worker.collectives import is_cell_file, is_transport_failure
+from nbdist.worker.pinning import device_index_hint
 
 
 def install(shell: Any) -> None:
@@ -37,11 +39,13 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any,
 
 
 def _note_old_torch(etype: type, value: BaseException) -> None:
-    """One line saying which torch a feature needs, when the error is how an older one fails."""
+    """One line saying which torch a feature needs, when the error is how an older one fails;
+    or which GPU is the rank's, when code took LOCAL_RANK for its index."""
     torch = sys.modules.get("torch")
     if torch is None or not hasattr(value, "add_note"):
         return
-    note = torch_support.hint(etype.__name__, str(value), str(torch.__version__))
+    note = (torch_support.hint(etype.__name__, str(value), str(torch.__version__))
+            or device_index_hint(str(value), os.environ))
     if note and note not in getattr(value, "__notes__", []):
         value.add_note(note)
 
