@@ -4,6 +4,7 @@ reports): bound once per thread before its first CUDA call, as torch's own side 
 from __future__ import annotations
 
 import ctypes
+import functools
 import threading
 from typing import Any
 
@@ -54,7 +55,8 @@ def bind_thread(device: Any) -> str:
 
         try:
             torch.cuda.set_device(index)
-            set_thread_local_capture_mode()
+            if not set_thread_local_capture_mode():
+                bound = f"{bound} (capture mode unchanged)"
         except Exception as error:  # the thread still reports; its CUDA calls may fail instead
             bound = f"{bound} refused ({type(error).__name__}: {error})"
     _LOCAL.bound = bound
@@ -62,12 +64,20 @@ def bind_thread(device: Any) -> str:
     return bound
 
 
+@functools.cache
+def _driver() -> Any:
+    """The CUDA driver library (one per process, whichever runtime torch links), or None."""
+    try:
+        return ctypes.CDLL(_DRIVER_LIBRARY)
+    except OSError:
+        return None
+
+
 def set_thread_local_capture_mode() -> bool:
     """This thread's CUDA graph capture mode made thread-local (the driver's
-    cuThreadExchangeStreamCaptureMode); False where there is no driver."""
-    try:
-        driver = ctypes.CDLL(_DRIVER_LIBRARY)
-    except OSError:
+    cuThreadExchangeStreamCaptureMode, which needs no context); False without a driver."""
+    driver = _driver()
+    if driver is None:
         return False
     mode = ctypes.c_int(_CAPTURE_MODE_THREAD_LOCAL)
     return int(driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))) == 0
@@ -76,9 +86,8 @@ def set_thread_local_capture_mode() -> bool:
 def capture_mode() -> int | None:
     """This thread's capture mode (0 global, 1 thread-local, 2 relaxed), read by swapping it out
     and back; None without a driver."""
-    try:
-        driver = ctypes.CDLL(_DRIVER_LIBRARY)
-    except OSError:
+    driver = _driver()
+    if driver is None:
         return None
     mode = ctypes.c_int(0)
     if int(driver.cuThreadExchangeStreamCaptureMode(ctypes.byref(mode))) != 0:
