@@ -46,6 +46,17 @@ def test_a_telemetry_thread_binds_the_ranks_gpu_before_its_first_sample() -> Non
         thread_device.BOUND)
 
 
+def test_a_thread_told_no_device_takes_the_one_the_rank_was_pinned_to(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # what the release thread does: it has no agent to ask
+    monkeypatch.setenv("NBDIST_DEVICE", "cuda:2")
+    bound: list[str] = []
+    thread = threading.Thread(target=lambda: bound.append(thread_device.bind_thread()))
+    thread.start()
+    thread.join()
+    assert bound[0].startswith("cuda:2 refused ("), bound
+
+
 def test_every_thread_of_a_rank_that_samples_is_bound(cluster_factory) -> None:
     # the telemetry thread ticks; the release thread answers a where-are-you signal: both bind
     cluster = cluster_factory(1)

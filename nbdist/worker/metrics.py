@@ -128,7 +128,7 @@ class _PendingCuda(PendingValue):
 _NOT_YET = object()
 
 
-def settle(value: Any) -> Any:
+def _settle(value: Any) -> Any:
     """A logged value as sent: a pending one read once ready, _NOT_YET before; None (a gap) when
     its query or read fails, never the buffer a copy that may not have finished was writing."""
     if not isinstance(value, PendingValue):
@@ -146,7 +146,7 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
     records = [buffer.records.popleft() for _ in range(len(buffer.records))]
     settled = []
     for t, step, names, values in records:
-        read = tuple(map(settle, values))
+        read = tuple(map(_settle, values))
         if any(value is _NOT_YET for value in read):
             break
         settled.append((t, step, names, read))

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import threading
 from typing import Any
+
+from nbdist.strategies._common import RANK_DEVICE_VAR
 
 # A new thread's current CUDA device is 0 until it sets one: its first CUDA call would make a
 # context there, on a GPU the rank does not own (torch's CUDAEvent guards its device in
@@ -39,16 +42,16 @@ def cuda_index(device: Any) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def bind_thread(device: Any) -> str:
-    """Make the rank's `device` the calling thread's CUDA device and its capture mode
-    thread-local, once per thread; what the thread is bound to. The main thread is the user's:
-    left alone ("main")."""
+def bind_thread(device: Any = None) -> str:
+    """Make the rank's `device` (None: the one the rank was pinned to, the CPU outside a rank)
+    the calling thread's CUDA device and its capture mode thread-local, once per thread; what
+    the thread is bound to. The main thread is the user's: left alone ("main")."""
     if threading.current_thread() is threading.main_thread():
         return "main"
     bound = getattr(_LOCAL, "bound", None)
     if bound is not None:
         return bound
-    index = cuda_index(device)
+    index = cuda_index(os.environ.get(RANK_DEVICE_VAR) if device is None else device)
     bound = "cpu" if index is None else f"cuda:{index}"
     if index is not None:
         import torch
