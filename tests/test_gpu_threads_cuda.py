@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from nbdist import Cluster
+from tests.test_gpu_threads import FP16_FSDP
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -247,5 +248,17 @@ def test_the_sampler_and_the_memory_limit_cover_both_gpus(fast_config):
         )
         result = cluster.run(code, timeout=120).raise_for_errors()
         assert result.grouped_values() == [([0], "('cuda:0,cuda:1', 2, True, True, True)")]
+    finally:
+        cluster.stop()
+
+
+def test_fsdp_in_fp16_on_a_gpu_skips_an_overflowing_step(fast_config):
+    assert "x = torch.randn(4, 8)\n" in FP16_FSDP
+    cluster = Cluster(n=1, config=fast_config).start()
+    try:
+        code = FP16_FSDP.replace("x = torch.randn(4, 8)\n",
+                                 "x = torch.randn(4, 8, device=device)\n")
+        result = cluster.run(code, timeout=180).raise_for_errors()
+        assert result.grouped_values() == [([0], "('GradScaler', True, True, True, True)")]
     finally:
         cluster.stop()
