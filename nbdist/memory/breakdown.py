@@ -46,7 +46,8 @@ class RankMemory:
     reserved: int | None = None
     """CUDA: memory_reserved (allocated + cached blocks); CPU: resident set size."""
     peak_forward: int | None = None
-    """CUDA: max_memory_allocated during the measured forward, minus what was allocated before."""
+    """CUDA: the most allocated during the measured forward, minus what was allocated before
+    (torch's peak counter is read, never reset: see forward_peak)."""
     wrapping: str = "none"
     """What wraps the model on this rank: ddp, fsdp (FSDP2), fsdp1, zero0-3 (DeepSpeed), none."""
     wrapping_mismatch: str | None = None
@@ -199,19 +200,23 @@ def _forward_activations(
     # The graph keeps only an index; the tensors stay alive in `saved` (as the graph would keep
     # them) until counted. Handing the tensor itself back would make a cycle through autograd's
     # C++ nodes (an output saved by its own grad_fn) that gc cannot see: every call would leak.
+    cuda = device.type == "cuda"
+    most_seen = [0]
+
     def pack(tensor: torch.Tensor) -> int:
         saved.append(tensor)
+        if cuda:  # a reading as each tensor is saved: the peak when torch's counter cannot say
+            most_seen[0] = max(most_seen[0], torch.cuda.memory_allocated(device))
         return len(saved) - 1
 
     def unpack(_index: int) -> torch.Tensor:
         raise RuntimeError("memory_breakdown's measuring forward has no backward")
 
     zero3_gathered_before = _zero3_available(runnable)
-    cuda = device.type == "cuda"
     if cuda:
         torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
+        before = most_seen[0] = torch.cuda.memory_allocated(device)
+        counter_before = torch.cuda.max_memory_allocated(device)  # never reset: the user's
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         if isinstance(batch, dict):
             output = runnable(**batch)
@@ -220,7 +225,8 @@ def _forward_activations(
         else:
             output = runnable(batch)
         loss = loss_fn(output) if loss_fn is not None else output
-    peak = torch.cuda.max_memory_allocated(device) - before if cuda else None
+    peak = forward_peak(before, counter_before, torch.cuda.max_memory_allocated(device),
+                        max(most_seen[0], torch.cuda.memory_allocated(device))) if cuda else None
     seen = set(exclude)
     # Wrappers that keep parameters gathered after forward expose them as the module's parameters.
     param_keys = {_storage_key(p) for p in runnable.parameters()}
@@ -238,6 +244,13 @@ def _forward_activations(
     del output, loss
     _zero3_release(runnable, zero3_gathered_before)
     return totals["activations"], totals["gathered"], peak
+
+
+def forward_peak(before: int, counter_before: int, counter_after: int, seen: int) -> int:
+    """The most a forward allocated beyond `before`, without resetting torch's peak counter (the
+    user's own max_memory_allocated): the counter's when the forward raised it, which is exact;
+    else the most `seen` along the way (the counter only says it stayed below its old peak)."""
+    return (counter_after if counter_after > counter_before else seen) - before
 
 
 def _zero3_available(module: Any) -> set[int]:

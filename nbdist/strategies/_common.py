@@ -53,6 +53,26 @@ def rank_device() -> torch.device:
     return torch.device("cpu")
 
 
+def spread_over_gpus(model: nn.Module) -> list[torch.device]:
+    """The CUDA devices ``model``'s parameters and buffers lie on when more than one (a model the
+    user split over the rank's GPUs, ``--gpus-per-rank``); ``[]`` otherwise."""
+    from itertools import chain
+
+    devices = {t.device for t in chain(model.parameters(), model.buffers()) if t.is_cuda}
+    return sorted(devices, key=lambda device: device.index or 0) if len(devices) > 1 else []
+
+
+def refuse_spread(model: nn.Module, strategy: str, why: str) -> None:
+    """A clear error for a strategy that would move a model split over several GPUs to one."""
+    spread = spread_over_gpus(model)
+    if spread:
+        raise StrategyOptionError(
+            f"this model lies on {', '.join(map(str, spread))}, but strategy={strategy!r} {why}. "
+            "Use strategy='ddp', which keeps a model split over the rank's GPUs where it is, "
+            "or put the whole model on one GPU per rank"
+        )
+
+
 def find_blocks(model: nn.Module, spec: BlockSpec) -> list[nn.Module]:
     """The submodules selected by ``spec`` (outermost first, never ``model`` itself)."""
     from torch import nn

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+GRAD_SCALER = "nbdist_grad_scaler"
+"""The attribute of a prepared model that holds its gradient scaler, when its precision needs one
+(fp16); ``Prepared.backward`` / ``step`` drive it."""
+
 
 @dataclass(frozen=True)
 class Sharding:

@@ -19,6 +19,7 @@ from nbdist.strategies._common import (
     rank_device,
     rebind_optimizer,
     reject,
+    spread_over_gpus,
 )
 from nbdist.strategies.base import Sharding
 from nbdist.strategies.torch_native import TorchNativeStrategy
@@ -64,7 +65,8 @@ HINTS = {
 def wrap(
     model: nn.Module, optimizer: OptimizerArg, **options: Any
 ) -> tuple[nn.Module, torch.optim.Optimizer | None]:
-    """Wrap ``model`` in DDP on this rank's device; the optimizer keeps its parameters."""
+    """Wrap ``model`` in DDP on this rank's device (a model already split over the rank's GPUs
+    stays where it is); the optimizer keeps its parameters."""
     from torch.nn.parallel import DistributedDataParallel
 
     reject(options, HINTS, "ddp")
@@ -73,11 +75,15 @@ def wrap(
     names = param_names(model)
     apply_activation_checkpointing(model, opts.activation_checkpointing)
     device = rank_device()
-    model.to(device)  # in place: the optimizer's parameter objects stay valid
+    # a model the user split over the rank's GPUs stays where it is: DDP takes such a
+    # multi-device module with device_ids=None, and its forward places each input itself
+    multi_device = bool(spread_over_gpus(model))
+    if not multi_device:
+        model.to(device)  # in place: the optimizer's parameter objects stay valid
     extra = {} if opts.bucket_cap_mb is None else {"bucket_cap_mb": opts.bucket_cap_mb}
     wrapped = DistributedDataParallel(
         model,
-        device_ids=[device.index] if device.type == "cuda" else None,
+        device_ids=[device.index] if device.type == "cuda" and not multi_device else None,
         gradient_as_bucket_view=opts.gradient_as_bucket_view,
         find_unused_parameters=opts.find_unused_parameters,
         static_graph=opts.static_graph,

@@ -23,6 +23,7 @@ from nbdist.strategies._common import (
     broadcast_from_rank0,
     check_known,
     rank_device,
+    refuse_spread,
     reject,
 )
 from nbdist.strategies.base import Sharding, adam_bytes
@@ -115,6 +116,8 @@ def wrap(model: nn.Module, optimizer: OptimizerArg, **options: Any) -> tuple[Any
         optimizer = optimizer(model.parameters())
     if opts.config is None and opts.offload_optimizer is not None:
         optimizer = _cpu_adam_for_offload(optimizer)
+    # DeepSpeed's engine moves the whole module to its one device (engine.module.to(device))
+    refuse_spread(model, "deepspeed", "moves the whole model to one device per rank")
     if opts.offload_param is None:  # with param offload ZeRO-3 places the shards itself
         model.to(rank_device())
     broadcast_from_rank0(model)  # ZeRO-3 partitions each rank's own copy: make them agree first

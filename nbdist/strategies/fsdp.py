@@ -22,9 +22,10 @@ from nbdist.strategies._common import (
     param_names,
     rank_device,
     rebind_optimizer,
+    refuse_spread,
     reject,
 )
-from nbdist.strategies.base import Sharding
+from nbdist.strategies.base import GRAD_SCALER, Sharding
 from nbdist.strategies.torch_native import TorchNativeStrategy
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -46,7 +47,8 @@ class FSDPOptions:
 
     mixed_precision: str | None = None
     """"bf16" or "fp16": compute in that dtype; params stay fp32 sharded, grads reduce and outputs
-    return in fp32."""
+    return in fp32. fp16 also gets a ``torch.amp.GradScaler`` (``Prepared.grad_scaler``), driven
+    by ``Prepared.backward`` and ``step``: small fp16 gradients would otherwise round to zero."""
 
     cpu_offload: bool = False
     """Keep sharded params, grads and the optimizer step on the CPU (CPUOffloadPolicy)."""
@@ -85,25 +87,15 @@ def wrap(
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import (
-        CPUOffloadPolicy,
-        MixedPrecisionPolicy,
-        OffloadPolicy,
-        fully_shard,
-    )
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
     reject(options, HINTS, "fsdp")
     check_known(options, [f.name for f in dataclasses.fields(FSDPOptions)], "fsdp")
     opts = FSDPOptions(**options)
     reshard = _reshard_after_forward(opts)
-    mp_policy = MixedPrecisionPolicy()
-    if opts.mixed_precision is not None:
-        if opts.mixed_precision not in _DTYPES:
-            raise StrategyOptionError(
-                f"mixed_precision={opts.mixed_precision!r}: use 'bf16', 'fp16' or None"
-            )
-        dtype = getattr(torch, _DTYPES[opts.mixed_precision])
-        mp_policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+    mp_policy = _precision_policy(opts.mixed_precision)
+    # fully_shard moves every parameter and buffer to its mesh's one device
+    refuse_spread(model, "fsdp", "puts each rank's shards on one device")
     device = rank_device()
     if device.type == "cpu":
         torch_support.require("fsdp2-cpu")
@@ -132,7 +124,26 @@ def wrap(
         # torch < 2.13 otherwise ("Found dtype Float but expected BFloat16")
         kwargs["mp_policy"] = dataclasses.replace(mp_policy, output_dtype=torch.float32)
     fully_shard(model, **kwargs)
+    if opts.mixed_precision is not None and _DTYPES[opts.mixed_precision] == "float16":
+        # as torch's own FSDP2 tests do: the plain torch.amp scaler takes FSDP2's DTensor
+        # gradients, and DTensor reduces its inf/nan check over the mesh (a max), so every rank
+        # skips the same steps
+        setattr(model, GRAD_SCALER, torch.amp.GradScaler(device.type))
     return model, rebind_optimizer(optimizer, names, model)
+
+
+def _precision_policy(mixed_precision: str | None) -> Any:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    if mixed_precision is None:
+        return MixedPrecisionPolicy()
+    if mixed_precision not in _DTYPES:
+        raise StrategyOptionError(
+            f"mixed_precision={mixed_precision!r}: use 'bf16', 'fp16' or None"
+        )
+    dtype = getattr(torch, _DTYPES[mixed_precision])
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
 
 
 def _reshard_after_forward(opts: FSDPOptions) -> bool:
@@ -155,6 +166,19 @@ class FSDPStrategy(TorchNativeStrategy):
 
     def wrap(self, model: Any, optimizer: Any, options: dict[str, Any]) -> tuple[Any, Any]:
         return wrap(model, optimizer, **options)
+
+    def backward(self, model: Any, loss: Any) -> None:
+        scaler = getattr(model, GRAD_SCALER, None)
+        (loss if scaler is None else scaler.scale(loss)).backward()
+
+    def step(self, model: Any, optimizer: Any) -> None:
+        scaler = getattr(model, GRAD_SCALER, None)
+        if scaler is None or optimizer is None:
+            super().step(model, optimizer)
+            return
+        scaler.step(optimizer)  # skipped when a gradient is inf or nan on any rank
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
 
 
 FSDP_FULL_SHARD = FSDPStrategy("fsdp", Sharding(params=True, grads=True, optimizer=True))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from nbdist.strategies.base import Strategy
+from nbdist.strategies.base import GRAD_SCALER, Strategy
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -57,6 +57,12 @@ class Prepared:
             f"Prepared(strategy={self.strategy!r}, model={type(self.model).__name__}, "
             f"optimizer={type(self.optimizer).__name__}, options={self.options!r})"
         )
+
+    @property
+    def grad_scaler(self) -> Any:
+        """The loss scaler ``backward`` and ``step`` drive (FSDP with fp16), else None; a loop
+        that calls ``loss.backward()`` itself scales with it (``torch.amp.GradScaler``)."""
+        return getattr(self.model, GRAD_SCALER, None)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, or ``engine.backward(loss)`` under DeepSpeed (scales, reduces)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.config import InternalConfig, TelemetryConfig
+from nbdist.worker.thread_device import bind_thread, cuda_index
 
 Provider = Callable[[], Any]
 
@@ -26,8 +27,11 @@ class TelemetryAgent:
     def __init__(self, rank: int, interval: float, publish: Callable[[dict[str, Any]], None],
                  log_spacing: float = LOG_SPACING,
                  start_delay: float = InternalConfig.telemetry_start_delay,
-                 collective_interval: float = TelemetryConfig.collective_report_interval) -> None:
+                 collective_interval: float = TelemetryConfig.collective_report_interval,
+                 device: Any = None) -> None:
         self.rank = rank
+        # resolved here, on the main thread: "cuda" alone means its current device
+        self.device_index = cuda_index(device)
         self.interval = interval
         self.log_spacing = min(log_spacing, interval)
         self.start_delay = start_delay
@@ -98,6 +102,7 @@ class TelemetryAgent:
 
     def collect(self, reason: str, only: tuple[str, ...] | None = None) -> dict[str, Any] | None:
         """The payload of every provider's answer; with ``only``, None when those had nothing."""
+        bind_thread(self.device_index)  # this thread's CUDA calls on the rank's device
         payload: dict[str, Any] = {
             "rank": self.rank, "t": time.time(), "reason": reason, "cell": self.cell_id,
             "state": "running" if self.cell_running else "idle",
@@ -116,6 +121,7 @@ class TelemetryAgent:
 
     def _loop(self) -> None:
         """Each when due: ticks, a cell's start payload, log() batches, reports while blocked."""
+        bind_thread(self.device_index)
         next_tick = time.monotonic() + self.interval
         while not self._stop.is_set():
             start = self._start

@@ -28,6 +28,7 @@ from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
 from nbdist.worker.pinning import pin_device
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
 from nbdist.worker.setup_message import RankReady, RankSetup
+from nbdist.worker.thread_device import bind_thread
 
 
 @dataclass
@@ -125,9 +126,15 @@ def setup_rank(setup: RankSetup) -> RankReady:
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
     process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
-    apply_memory_limit(config.start.memory_limit, device)
+    apply_memory_limit(config.start.memory_limit, device, _rank_gpus(spec))
     return RankReady(device=str(device), threads=setup.threads, endpoint=endpoint,
                      notes=tuple(notes))
+
+
+def _rank_gpus(spec: Any) -> list[Any]:
+    import torch
+
+    return [torch.device("cuda", index) for index in spec.gpus]
 
 
 def _present_as_torchrun_worker() -> None:
@@ -155,12 +162,12 @@ def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> Telemet
         rank, config.telemetry.telemetry_interval, shell.data_pub.publish_data,
         log_spacing=config.internal.telemetry_log_spacing,
         start_delay=config.internal.telemetry_start_delay,
-        collective_interval=config.telemetry.collective_report_interval)
+        collective_interval=config.telemetry.collective_report_interval, device=device)
     agent.blocked_since = collectives.TRACKER.blocked_since
     release.report_hook = _report_where
     agent.register("where", _where)
     agent.register("group", pasted_code.group_state)  # the cell destroyed the world group?
-    install_memory_sampler(agent, device)
+    install_memory_sampler(agent, device, _rank_gpus(RUNTIME.setup.spec))
     install_metrics(agent)
     install_step_timing(agent)
     agent.start()
@@ -179,6 +186,7 @@ def _report_where() -> None:
     with the flight recorder read now rather than once the groups' progress settled."""
     agent = RUNTIME.agent
     if agent is not None and agent.cell_running:
+        bind_thread(agent.device_index)  # the flight recorder's read may query CUDA events
         flight_recorder.WATCHER.sample(fresh=True)
         agent.publish_now("asked", only=("where",))
 

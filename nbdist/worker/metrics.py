@@ -69,11 +69,27 @@ def _capture(name: str, value: Any) -> Any:
         why = type(value).__name__
     elif hasattr(value, "numel") and value.numel() != 1:
         why = f"tensor with {value.numel()} elements"
+    elif not getattr(value, "is_cuda", False):
+        return value.item()
+    elif _capturing():
+        why = CAPTURED
     else:
-        return _PendingCuda(value) if getattr(value, "is_cuda", False) else value.item()
+        return _PendingCuda(value)
     if name not in _BUFFER.reported:
         _BUFFER.rejected.setdefault(name, why)
     return None
+
+
+CAPTURED = ("a CUDA tensor logged while a CUDA graph captures: it has no value until the graph "
+            "replays; log it after the captured region")
+
+
+def _capturing() -> bool:
+    """Whether the current stream captures a CUDA graph: a copy or event made now would become
+    part of the graph, and its buffer would only be filled when the graph replays."""
+    import torch
+
+    return torch.cuda.is_current_stream_capturing()
 
 
 class PendingValue:
@@ -97,7 +113,9 @@ class _PendingCuda(PendingValue):
         # detach: keeping the autograd graph alive until the next drain would pin activations
         self.host = tensor.detach().reshape(()).to("cpu", non_blocking=True)
         self.event = torch.cuda.Event()
-        self.event.record()
+        # torch copies to the host on the tensor's own device's current stream, which is not
+        # the current device's for a tensor on another of the rank's GPUs
+        self.event.record(torch.cuda.current_stream(tensor.device))
 
     def ready(self) -> bool:
         # query, never synchronize: behind a stuck collective the event may never fire
@@ -107,16 +125,16 @@ class _PendingCuda(PendingValue):
         return float(self.host.item())
 
 
-def _ready(value: Any) -> bool:
-    try:
-        return not isinstance(value, PendingValue) or value.ready()
-    except Exception:  # a failed event: sent as a gap (None)
-        return True
+_NOT_YET = object()
 
 
-def _read(value: Any) -> Any:
+def _settle(value: Any) -> Any:
+    """A logged value as sent: a pending one read once ready, _NOT_YET before; None (a gap) when
+    its query or read fails, never the buffer a copy that may not have finished was writing."""
+    if not isinstance(value, PendingValue):
+        return value
     try:
-        return value.value() if isinstance(value, PendingValue) else value
+        return value.value() if value.ready() else _NOT_YET
     except Exception:
         return None
 
@@ -126,11 +144,15 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
     aligned columns ``{"t", "step", "values": {name: [value or None...]}, "dropped"}``, or None."""
     buffer = _BUFFER
     records = [buffer.records.popleft() for _ in range(len(buffer.records))]
-    ready = next((i for i, record in enumerate(records)
-                  if not all(map(_ready, record[3]))), len(records))
+    settled = []
+    for t, step, names, values in records:
+        read = tuple(map(_settle, values))
+        if any(value is _NOT_YET for value in read):
+            break
+        settled.append((t, step, names, read))
     # the rest wait for the next drain, in order, ahead of anything logged meanwhile
-    buffer.records.extendleft(reversed(records[ready:]))
-    records = records[:ready]
+    buffer.records.extendleft(reversed(records[len(settled):]))
+    records = settled
     if not records:
         return None
     dropped = 0
@@ -143,7 +165,7 @@ def drain(limit: int = MAX_RECORDS_PER_PAYLOAD) -> dict[str, Any] | None:
         for name, value in zip(names, values, strict=False):
             if name not in columns:
                 columns[name] = [None] * len(records)
-            columns[name][index] = _read(value)
+            columns[name][index] = value
     payload: dict[str, Any] = {"t": [r[0] for r in records], "step": [r[1] for r in records],
                                "values": columns}
     lost, buffer.dropped = dropped + buffer.dropped, 0

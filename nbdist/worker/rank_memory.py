@@ -9,7 +9,7 @@ import ctypes
 import os
 import resource
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +58,10 @@ def _host_memory_total() -> int:
 class MemorySampler:
     """Byte counts under the same keys on either device (the dashboard draws one kind of bar):
     ``allocated`` (CUDA tensors / CPU heap), ``reserved`` (caching allocator / RSS), ``peak`` (this
-    cell's), ``capacity`` (device total / RAM or cgroup limit), ``kind``, ``device``, extras."""
+    cell's), ``capacity`` (device total / RAM or cgroup limit), ``kind``, ``device``, extras. A
+    rank with several GPUs (``others``) reports their sums, each GPU's own under ``"gpus"``."""
 
-    def __init__(self, device: Any = None) -> None:
+    def __init__(self, device: Any = None, others: Sequence[Any] = ()) -> None:
         self.device = device
         self.kind = "cuda" if getattr(device, "type", str(device)).startswith("cuda") else "cpu"
         self._lock = threading.Lock()
@@ -68,9 +69,9 @@ class MemorySampler:
         self._capacity = _host_memory_total() if self.kind == "cpu" else None
         self._can_clear_refs = True
         self._sampled_peak = 0
-        self._torch_peak_at_start = 0
-        self._device_extras: dict[str, Any] = {}
-        self._nvml: Any = None
+        self._gpus = ([_GpuCounters(device)] + [_GpuCounters(other) for other in others
+                                                if str(other) != str(device)]
+                      if self.kind == "cuda" else [])
 
     def sample(self, cell: int | None = None) -> dict[str, Any]:
         """On the main thread (a cell's start and end) a GPU sample is the allocator's counters
@@ -105,31 +106,56 @@ class MemorySampler:
                 "heap_source": heap_source}
 
     def _sample_cuda(self, cell_start: bool) -> dict[str, Any]:
+        with_nvml = threading.current_thread() is not threading.main_thread()
+        gpus = [gpu.sample(cell_start, with_nvml) for gpu in self._gpus]
+        if len(gpus) == 1:
+            return gpus[0]
+        total = {key: sum(gpu[key] for gpu in gpus)
+                 for key in ("allocated", "reserved", "peak", "capacity")}
+        if all("nvml_used" in gpu for gpu in gpus):
+            total.update(nvml_used=sum(gpu["nvml_used"] for gpu in gpus),
+                         util=max(gpu["util"] for gpu in gpus))
+        return {"kind": "cuda", "device": ",".join(gpu["device"] for gpu in gpus), **total,
+                "gpus": gpus}
+
+
+class _GpuCounters:
+    """One GPU's sample: torch's allocator counters, this cell's peak, NVML's figures."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.capacity: int | None = None
+        self.sampled_peak = 0
+        self.torch_peak_at_start = 0
+        self.extras: dict[str, Any] = {}
+        self.nvml: Any = None
+
+    def sample(self, cell_start: bool, with_nvml: bool) -> dict[str, Any]:
         import torch
 
         device = self.device
-        if self._capacity is None:
-            self._capacity = int(torch.cuda.get_device_properties(device).total_memory)
+        if self.capacity is None:
+            self.capacity = int(torch.cuda.get_device_properties(device).total_memory)
         stats = torch.cuda.memory_stats(device)
         allocated = int(stats.get("allocated_bytes.all.current", 0))
         torch_peak = int(stats.get("allocated_bytes.all.peak", 0))
         if cell_start:
             # the cell's peak: what is allocated now, what the samples see, and torch's own peak
             # once the cell pushes it past where it stood when the cell began
-            self._sampled_peak, self._torch_peak_at_start = allocated, torch_peak
-        self._sampled_peak = max(self._sampled_peak, allocated)
-        peak = torch_peak if torch_peak > self._torch_peak_at_start else self._sampled_peak
-        if threading.current_thread() is not threading.main_thread():
-            self._device_extras = self._nvml_sample()
+            self.sampled_peak, self.torch_peak_at_start = allocated, torch_peak
+        self.sampled_peak = max(self.sampled_peak, allocated)
+        peak = torch_peak if torch_peak > self.torch_peak_at_start else self.sampled_peak
+        if with_nvml:
+            self.extras = self._nvml_sample()
         return {"kind": "cuda", "device": str(device), "allocated": allocated,
                 "reserved": int(stats.get("reserved_bytes.all.current", 0)), "peak": peak,
-                "capacity": self._capacity, **self._device_extras}
+                "capacity": self.capacity, **self.extras}
 
     def _nvml_sample(self) -> dict[str, Any]:
         """Utilisation and what NVML sees used (every process, CUDA contexts included)."""
-        if self._nvml is None:
-            self._nvml = _open_nvml(self.device)
-        nvml, handle = self._nvml
+        if self.nvml is None:
+            self.nvml = _open_nvml(self.device)
+        nvml, handle = self.nvml
         if handle is None:
             return {}
         try:
@@ -194,8 +220,9 @@ def _open_nvml(device: Any) -> tuple[Any, Any]:
         return None, None
 
 
-def install_memory_sampler(agent: TelemetryAgent, device: Any = None) -> MemorySampler:
-    sampler = MemorySampler(device)
+def install_memory_sampler(agent: TelemetryAgent, device: Any = None,
+                           others: Sequence[Any] = ()) -> MemorySampler:
+    sampler = MemorySampler(device, others)
     agent.register("memory", lambda: sampler.sample(agent.cell_id))
     return sampler
 
@@ -205,17 +232,21 @@ _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
 STATE: dict[str, Any] = {}  # what apply_memory_limit did: mechanism, limit, baseline...
 
 
-def apply_memory_limit(limit: int | None, device: Any) -> None:
-    """Cap what this rank may allocate from now on at `limit` bytes (None: unlimited)."""
+def apply_memory_limit(limit: int | None, device: Any, others: Sequence[Any] = ()) -> None:
+    """Cap what this rank may allocate from now on at `limit` bytes (None: unlimited); on GPU,
+    on each of its GPUs (`device` and `others`): torch's cap is one per device."""
     if limit is None:
         return
     import torch
 
     STATE.clear()
     if getattr(device, "type", "cpu") == "cuda":
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), device)
-        STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, device=device)
+        gpus = [device] + [other for other in others if str(other) != str(device)]
+        for gpu in gpus:
+            total = torch.cuda.get_device_properties(gpu).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), gpu)
+        STATE.update(mechanism="cuda memory fraction", limit=limit, baseline=0, device=device,
+                     gpus=gpus)
         return
     with contextlib.suppress(AttributeError):  # not glibc
         # glibc: every block of 128 KiB or more its own mmap, unmapped when freed; by default the
@@ -234,7 +265,7 @@ def apply_memory_limit(limit: int | None, device: Any) -> None:
 
 def memory_budget() -> dict[str, Any]:
     """This rank's limit and how much of it is in use (CPU: VmData beyond the start-up baseline;
-    GPU: what the cap counts, torch.cuda.memory_reserved, and allocated)."""
+    GPU: what the cap counts, torch.cuda.memory_reserved, and allocated, on its fullest GPU)."""
     if not STATE:
         return {"limit": None, "in_use": None}
     budget = {"limit": STATE["limit"], "mechanism": STATE["mechanism"]}
@@ -242,8 +273,10 @@ def memory_budget() -> dict[str, Any]:
         return {**budget, "in_use": read_status("VmData")["VmData"] - STATE["baseline"]}
     import torch
 
-    return {**budget, "in_use": torch.cuda.memory_reserved(STATE["device"]),
-            "allocated": torch.cuda.memory_allocated(STATE["device"])}
+    # each GPU has its own cap: the fullest one is the rank's
+    fullest = max(STATE["gpus"], key=torch.cuda.memory_reserved)
+    return {**budget, "in_use": torch.cuda.memory_reserved(fullest),
+            "allocated": torch.cuda.memory_allocated(fullest)}
 
 
 @contextlib.contextmanager
