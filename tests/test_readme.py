@@ -79,3 +79,21 @@ def test_the_quickstart_cells_print_what_readme_shows(tmp_path: Path) -> None:
             assert _lines(_run(kernel, source)) == _lines(shown), source
     finally:
         kernel.close()
+
+
+def _tutorial_order(text: str) -> list[str]:
+    found = re.findall(r"notebooks/(\d\d_\w+)\.ipynb", text)
+    return list(dict.fromkeys(found))  # first mention of each, in order
+
+
+def test_readme_docs_and_site_list_every_tutorial_in_one_reading_order() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    table = readme.split("\n## Tutorials\n", 1)[1].split("\n## ", 1)[0]
+    order = _tutorial_order(table)
+    assert sorted(order) == sorted(p.stem for p in (ROOT / "notebooks").glob("*.ipynb"))
+    assert _tutorial_order((ROOT / "docs/TUTORIALS.md").read_text(encoding="utf-8")) == order
+    nav = (ROOT / "mkdocs.yml").read_text(encoding="utf-8").split("\nnav:\n", 1)[1]
+    assert _tutorial_order(nav) == order
+    # what each builds on: 06's memory lesson before FSDP in 04, 14's profile of 02's DDP step
+    assert order.index("06_memory_anatomy") < order.index("04_fsdp")
+    assert order.index("02_ddp") < order.index("14_where_did_my_step_go")

@@ -29,15 +29,29 @@ _HEADING = re.compile(r"<h([1-6])[^>]*\bid=\"([^\"]+)\"[^>]*>(.*?)</h\1>", re.S)
 _TAG = re.compile(r"<[^>]+>")
 
 
-def _expand_nav(items: list[Any]) -> list[Any]:
-    """A nav entry ``Title: some/*.glob`` becomes the matching files in name order."""
+def _glob(pattern: str, named: set[str]) -> list[str]:
+    """The files a nav glob matches, in name order, less those the nav names anywhere itself
+    (so `docs/*.md` after a list of pages adds only the pages that list leaves out)."""
+    found = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(pattern))
+    return [path for path in found if path not in named]
+
+
+def _expand_nav(items: list[Any], named: set[str] | None = None) -> list[Any]:
+    """A nav entry ``Title: some/*.glob`` becomes a section of the matching files; a bare glob
+    in a list becomes those files, in its place; either leaves out what the nav names itself."""
+    if named is None:
+        named = {path for path in _nav_paths(items) if "*" not in path}
     expanded: list[Any] = []
     for item in items:
+        if isinstance(item, str) and "*" in item:
+            expanded += _glob(item, named)
+            continue
         if isinstance(item, dict):
-            item = {title: (sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(value))
-                            if isinstance(value, str) and "*" in value
-                            else _expand_nav(value) if isinstance(value, list) else value)
+            item = {title: (_glob(value, named) if isinstance(value, str) and "*" in value
+                            else _expand_nav(value, named) if isinstance(value, list) else value)
                     for title, value in item.items()}
+            if any(value == [] for value in item.values()):
+                continue  # a glob that matched nothing new: no empty section
         expanded.append(item)
     return expanded
 
