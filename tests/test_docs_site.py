@@ -77,6 +77,10 @@ def test_every_tutorial_and_guide_has_its_page(site: Path) -> None:
         assert page.is_file(), f"no page for {notebook.name}"
         assert 'class="jp-Cell' in page.read_text(encoding="utf-8")
     assert "Quickstart" in _text(site / "index.html")  # README is the home page
+    for image in (ROOT / "docs/images").glob("*"):  # shown from the site, not linked to GitHub
+        assert f'src="docs/images/{image.name}"' in (site / "index.html").read_text() or any(
+            f'src="images/{image.name}"' in page.read_text() for page in site.glob("docs/*.html"))
+        assert (site / "docs/images" / image.name).is_file()
     for guide in sorted((ROOT / "docs").glob("*.md")):
         assert (site / "docs" / f"{guide.stem}.html").is_file(), f"no page for {guide.name}"
 

@@ -27,6 +27,7 @@ _MD_LINK = re.compile(r"(\]\(\s*<?)([^)\s>]+)")
 _HTML_LINK = re.compile(r"""((?:href|src)=["'])([^"']+)""")
 _HEADING = re.compile(r"<h([1-6])[^>]*\bid=\"([^\"]+)\"[^>]*>(.*?)</h\1>", re.S)
 _TAG = re.compile(r"<[^>]+>")
+IMAGES = "docs/images/*"
 
 
 def _glob(pattern: str, named: set[str]) -> list[str]:
@@ -75,8 +76,9 @@ def on_config(config: Any) -> Any:
 
 @event_priority(100)  # before mkdocs-jupyter's on_files, which must see the notebooks
 def on_files(files: Any, config: Any) -> Any:
-    """Replace the pages mkdocs found in docs_dir by the nav's files, read from the repository
-    root under their repository paths (theme and plugin assets stay)."""
+    """Replace the pages mkdocs found in docs_dir by the nav's files and the pictures under
+    docs/images/, read from the repository root under their repository paths (theme and plugin
+    assets stay)."""
     from mkdocs.structure.files import File
 
     docs_dir = os.path.abspath(config["docs_dir"])
@@ -88,6 +90,9 @@ def on_files(files: Any, config: Any) -> Any:
             log.warning(f"mkdocs.yml nav: {path} is not a file in the repository")
             continue
         files.append(File(path, str(ROOT), config["site_dir"], config["use_directory_urls"]))
+    for image in sorted(ROOT.glob(IMAGES)):  # the pictures pages show: copied, not linked away
+        files.append(File(image.relative_to(ROOT).as_posix(), str(ROOT), config["site_dir"],
+                          config["use_directory_urls"]))
     return files
 
 
