@@ -77,6 +77,10 @@ def test_every_tutorial_and_guide_has_its_page(site: Path) -> None:
         assert page.is_file(), f"no page for {notebook.name}"
         assert 'class="jp-Cell' in page.read_text(encoding="utf-8")
     assert "Quickstart" in _text(site / "index.html")  # README is the home page
+    for image in (ROOT / "docs/images").glob("*"):  # shown from the site, not linked to GitHub
+        assert f'src="docs/images/{image.name}"' in (site / "index.html").read_text() or any(
+            f'src="images/{image.name}"' in page.read_text() for page in site.glob("docs/*.html"))
+        assert (site / "docs/images" / image.name).is_file()
     for guide in sorted((ROOT / "docs").glob("*.md")):
         assert (site / "docs" / f"{guide.stem}.html").is_file(), f"no page for {guide.name}"
 
@@ -92,3 +96,21 @@ def test_the_link_checker_finds_missing_files_and_anchors(tmp_path: Path) -> Non
         "a/page.html: link '../b.html#gone': no anchor #gone there",
         "a/page.html: link 'missing.html' points to no file of the site",
     ]
+
+
+def test_magics_show_as_magics_and_prepare_options_as_tables(site: Path) -> None:
+    from nbdist.notebook.magics import DistMagics
+    from nbdist.strategies.ddp import DDPOptions
+    from nbdist.strategies.deepspeed import DeepSpeedOptions
+    from nbdist.strategies.fsdp import FSDPOptions
+
+    magics_page = (site / "docs/api/magics.html").read_text(encoding="utf-8")
+    for kind, prefix in (("line", "%"), ("cell", "%%")):
+        for name in DistMagics.magics[kind]:
+            assert re.search(rf'<h2 id="{name}"[^>]*><code>{prefix}{name}</code>', magics_page), name
+    strategies_page = (site / "docs/api/strategies.html").read_text(encoding="utf-8")
+    for options in (DDPOptions, FSDPOptions, DeepSpeedOptions):
+        table = strategies_page.split(f'id="nbdist.strategies.{options.__module__.split(".")[-1]}'
+                                      f'.{options.__name__}"', 1)[1].split("</table>", 1)[0]
+        for field in dataclasses.fields(options):
+            assert f"<code>{field.name}</code>" in table, (options.__name__, field.name)

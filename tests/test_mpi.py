@@ -1,6 +1,6 @@
 """ipyparallel's MPI launcher for real: Debian's Open MPI `mpiexec` starts the engines (with
 mpi4py), nbdist turns them into one gloo process group. One host here; across hosts the same
-launcher takes `hosts=` / a hostfile (see README, "More than one machine").
+launcher takes `hosts=` / a hostfile (see docs/MULTI_NODE.md).
 
 Needs `mpiexec` and mpi4py (`.ci/extra-suites` installs them); run with ``pytest -m mpi``.
 """

@@ -35,3 +35,24 @@ class MagicUsage(griffe.Extension):
                  for line in usage.splitlines()]
         func.docstring = griffe.Docstring(
             summary + "\n\n```text\n" + "\n".join(lines).strip("\n") + "\n```", parent=func)
+
+
+class OptionTables(griffe.Extension):
+    """A strategy's options class (`DDPOptions`, ...: a dataclass whose fields carry their own
+    docstrings) gets a Parameters section built from those fields, which mkdocstrings draws as
+    one table of name, type, description and default: the options `prepare` takes."""
+
+    def on_class_members(self, *, cls: griffe.Class, **kwargs: Any) -> None:
+        if not (cls.path.startswith("nbdist.strategies.") and cls.name.endswith("Options")):
+            return
+        rows = []
+        for name, member in cls.members.items():
+            if member.is_attribute and not name.startswith("_") and member.docstring is not None:
+                described = " ".join(member.docstring.value.split())
+                annotation = f" ({member.annotation})" if member.annotation is not None else ""
+                rows.append(f"    {name}{annotation}: {described}")
+        if not rows:
+            return
+        summary = cls.docstring.value.strip() if cls.docstring is not None else ""
+        cls.docstring = griffe.Docstring(
+            f"{summary}\n\nParameters:\n" + "\n".join(rows), parent=cls)

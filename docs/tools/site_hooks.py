@@ -27,17 +27,32 @@ _MD_LINK = re.compile(r"(\]\(\s*<?)([^)\s>]+)")
 _HTML_LINK = re.compile(r"""((?:href|src)=["'])([^"']+)""")
 _HEADING = re.compile(r"<h([1-6])[^>]*\bid=\"([^\"]+)\"[^>]*>(.*?)</h\1>", re.S)
 _TAG = re.compile(r"<[^>]+>")
+IMAGES = "docs/images/*"
 
 
-def _expand_nav(items: list[Any]) -> list[Any]:
-    """A nav entry ``Title: some/*.glob`` becomes the matching files in name order."""
+def _glob(pattern: str, named: set[str]) -> list[str]:
+    """The files a nav glob matches, in name order, less those the nav names anywhere itself
+    (so `docs/*.md` after a list of pages adds only the pages that list leaves out)."""
+    found = sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(pattern))
+    return [path for path in found if path not in named]
+
+
+def _expand_nav(items: list[Any], named: set[str] | None = None) -> list[Any]:
+    """A nav entry ``Title: some/*.glob`` becomes a section of the matching files; a bare glob
+    in a list becomes those files, in its place; either leaves out what the nav names itself."""
+    if named is None:
+        named = {path for path in _nav_paths(items) if "*" not in path}
     expanded: list[Any] = []
     for item in items:
+        if isinstance(item, str) and "*" in item:
+            expanded += _glob(item, named)
+            continue
         if isinstance(item, dict):
-            item = {title: (sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob(value))
-                            if isinstance(value, str) and "*" in value
-                            else _expand_nav(value) if isinstance(value, list) else value)
+            item = {title: (_glob(value, named) if isinstance(value, str) and "*" in value
+                            else _expand_nav(value, named) if isinstance(value, list) else value)
                     for title, value in item.items()}
+            if any(value == [] for value in item.values()):
+                continue  # a glob that matched nothing new: no empty section
         expanded.append(item)
     return expanded
 
@@ -61,8 +76,9 @@ def on_config(config: Any) -> Any:
 
 @event_priority(100)  # before mkdocs-jupyter's on_files, which must see the notebooks
 def on_files(files: Any, config: Any) -> Any:
-    """Replace the pages mkdocs found in docs_dir by the nav's files, read from the repository
-    root under their repository paths (theme and plugin assets stay)."""
+    """Replace the pages mkdocs found in docs_dir by the nav's files and the pictures under
+    docs/images/, read from the repository root under their repository paths (theme and plugin
+    assets stay)."""
     from mkdocs.structure.files import File
 
     docs_dir = os.path.abspath(config["docs_dir"])
@@ -74,6 +90,9 @@ def on_files(files: Any, config: Any) -> Any:
             log.warning(f"mkdocs.yml nav: {path} is not a file in the repository")
             continue
         files.append(File(path, str(ROOT), config["site_dir"], config["use_directory_urls"]))
+    for image in sorted(ROOT.glob(IMAGES)):  # the pictures pages show: copied, not linked away
+        files.append(File(image.relative_to(ROOT).as_posix(), str(ROOT), config["site_dir"],
+                          config["use_directory_urls"]))
     return files
 
 

@@ -31,6 +31,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class DDPOptions:
+    """The options `prepare(model, optimizer, strategy="ddp", ...)` takes."""
+
     gradient_as_bucket_view: bool = True
     """Gradients are views into DDP's all-reduce buckets, which saves one gradient-sized copy."""
 

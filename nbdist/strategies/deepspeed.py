@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class DeepSpeedOptions:
+    """The options `prepare(..., strategy="deepspeed", ...)` takes (and zero0-zero3, whose
+    names set `zero_stage`)."""
+
     zero_stage: int = 2
     """0: plain data parallel; 1: shard optimizer state; 2: + gradients; 3: + parameters."""
 

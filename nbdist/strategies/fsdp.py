@@ -35,6 +35,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 @dataclass
 class FSDPOptions:
+    """The options `prepare(..., strategy="fsdp", ...)` takes: FSDP2's `fully_shard` per block."""
+
     reshard_after_forward: bool = True
     """True: free gathered params after forward (FULL_SHARD, ~ZeRO-3); False: keep them until
     backward ends (SHARD_GRAD_OP, ~ZeRO-2: more memory, one all-gather less per step)."""

@@ -1,1 +1,1 @@
-"""Benchmarks B1–B9 of nbdist beside its peers (see README "Benchmarks" and RESULTS.md)."""
+"""Benchmarks B1–B9 of nbdist beside its peers (see docs/BENCHMARKS.md and RESULTS.md)."""
