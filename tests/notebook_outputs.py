@@ -21,6 +21,8 @@ tutorial again and compares, code cell by code cell (`compare`):
   the tag; timings are not figures, they move with the machine.
 
 12_multi_node_slurm keeps the outputs of a run through Slurm (tests/test_slurm.py re-saves it).
+After a save, the command lists the figures the prose quotes that the new outputs no longer show
+(tests/tutorial_figures.py): fix the prose, or tests/test_tutorial_figures.py fails.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import nbformat
 from nbdist.text import strip_ansi
 from tests.test_notebook_lint import KEPT_OUTPUTS, save_with_outputs
 from tests.test_notebooks import NOTEBOOKS, RAISES, check_tagged_cells_raised, run_notebook
+from tests.tutorial_figures import problems as figure_problems
 
 FIGURES = "figures"
 """Cell tag: this cell's numbers are recorded figures (checked within the tolerance)."""
@@ -189,6 +192,9 @@ def main(names: list[str]) -> int:
         with tempfile.TemporaryDirectory(prefix=f"nbdist-{path.stem}-") as workdir:
             print(f"{path.stem}: running ...", flush=True)
             print(f"{path.stem}: saved with its outputs ({save(path, Path(workdir)):.0f} s)", flush=True)
+        quoted = figure_problems(nbformat.read(path, as_version=4), path.stem)
+        for problem in quoted:  # tests/test_tutorial_figures.py fails on these until the prose follows
+            print(f"  the prose no longer matches: {problem}", flush=True)
     return 0
 
 

@@ -95,6 +95,14 @@ def test_advisor_prefers_sharding_above_500m_even_when_ddp_fits():
     assert advice.strategy == "zero2" and advice.fsdp_kwargs == {"strategy": "fsdp", "reshard_after_forward": False}
 
 
+def test_advisor_says_a_small_model_needs_megabytes_not_zero_gigabytes():
+    """A tutorial's 1M-parameter model: 16 bytes each under DDP in fp32."""
+    intro = nbdist.advise(1_000_000, 2, 16e9, precision="fp32").reasons[0]
+    assert intro.startswith("1M parameters need 16.0 MB of model states per GPU")
+    assert "0.0 GB" not in intro and nbdist.advise(530_000, 2, 16e9).reasons[0].startswith("0.53M")
+    assert "the budget is 12.8 GB per GPU" in intro
+
+
 def test_chart_is_pure_and_uses_rank_colors():
     rows = [{"rank": r, "params": 4e6, "grads": 4e6, "optimizer": 8e6, "activations": 1e6, "other": None}
             for r in range(3)]

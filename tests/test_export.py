@@ -255,6 +255,26 @@ def torchrun(script: Path, cwd: Path, timeout: float = 180) -> tuple[int, str]:
     return proc.returncode, out
 
 
+def test_exported_script_runs_without_nbdist_installed(tmp_path: Path) -> None:
+    """The cells' own `import nbdist` and `nbdist.log` work in a process where nbdist cannot be
+    imported (a world of one, plain python); any other nbdist name says what it needs."""
+    cells = [*TRAIN_CELLS[:-2],
+             "%%distributed\ntry:\n    nbdist.prepare\nexcept AttributeError as error:\n"
+             "    print('without nbdist:', error)\n"]
+    script = tmp_path / "train.py"
+    script.write_text(export.export_script(export.distributed_cells(_history(cells), 1)))
+    hide_nbdist = ("import runpy, sys; sys.modules['nbdist'] = None; "
+                   f"runpy.run_path({str(script)!r}, run_name='__main__')")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "MASTER_PORT": str(free_port())}
+    done = subprocess.run([sys.executable, "-c", hide_nbdist], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"first loss [\d.]+ last loss [\d.]+", done.stdout), done.stdout
+    assert ("without nbdist: nbdist.prepare needs nbdist installed; without it only nbdist.log"
+            in done.stdout), done.stdout
+
+
 NOTEBOOK_SESSION = [
     "%dist_start -n 2",
     "lr = 0.05\n%dist_push lr steps_per_run=10 sizes=(8,16)",

@@ -58,10 +58,10 @@ def advise(
         estimate_memory(psi, gpus, s, precision=precision) for s in ("ddp", "zero2", "zero3")
     )
     intro = (
-        f"{psi / 1e6:,.0f}M parameters need {_gb(ddp.model_states)} of model states per GPU"
-        f" under DDP; the budget is {_gb(budget)} per GPU ({HEADROOM:.0%} of {_gb(gpu_memory)}"
+        f"{_millions(psi)} parameters need {_size(ddp.model_states)} of model states per GPU"
+        f" under DDP; the budget is {_size(budget)} per GPU ({HEADROOM:.0%} of {_size(gpu_memory)}"
     )
-    intro += f" minus {_gb(activation_bytes)} of activations)." if activation_bytes else ")."
+    intro += f" minus {_size(activation_bytes)} of activations)." if activation_bytes else ")."
 
     if ddp.model_states <= budget and psi < DDP_PARAM_LIMIT:
         why = (
@@ -78,14 +78,14 @@ def advise(
         )
         why = (
             f"{why_not_ddp.capitalize()}. ZeRO-2 / FSDP SHARD_GRAD_OP shards gradients and"
-            f" optimizer state ({zero2.formula}: {_gb(zero2.model_states)}) with the same"
+            f" optimizer state ({zero2.formula}: {_size(zero2.model_states)}) with the same"
             " communication volume as DDP (reduce-scatter + all-gather = one all-reduce)."
         )
         return _zero(2, zero2.model_states, [intro, why])
     if zero3.model_states <= budget:
         why = (
-            f"ZeRO-2 would still need {_gb(zero2.model_states)}. ZeRO-3 / FSDP FULL_SHARD shards"
-            f" the parameters too ({_gb(zero3.model_states)} per GPU) for about 1.5x DDP's"
+            f"ZeRO-2 would still need {_size(zero2.model_states)}. ZeRO-3 / FSDP FULL_SHARD shards"
+            f" the parameters too ({_size(zero3.model_states)} per GPU) for about 1.5x DDP's"
             " communication (parameters are gathered in forward and again in backward)."
         )
         return _zero(3, zero3.model_states, [intro, why])
@@ -108,9 +108,10 @@ def _offload(
     if opt_off.model_states <= budget and _cpu_ok(opt_off.offloaded, cpu_memory):
         on_gpu = estimate_memory(psi, gpus, "zero3", precision=precision).model_states
         why = (
-            f"Even ZeRO-3 needs {_gb(on_gpu)}. Offloading the optimizer (state and step on the"
-            f" CPU) leaves {_gb(opt_off.model_states)} per GPU and puts {_gb(opt_off.offloaded)}"
-            " per GPU in host memory; steps get slower (PCIe traffic, CPU Adam)."
+            f"Even ZeRO-3 needs {_size(on_gpu)}. Offloading the optimizer (state and step on the"
+            f" CPU) leaves {_size(opt_off.model_states)} per GPU and puts"
+            f" {_size(opt_off.offloaded)} per GPU in host memory; steps get slower (PCIe traffic,"
+            " CPU Adam)."
         )
         deepspeed = {**zero3, "offload_optimizer": "cpu"}
         return Advice(
@@ -123,13 +124,13 @@ def _offload(
         why = (
             "Parameters must leave the GPU too: ZeRO-3 with optimizer and parameter offload"
             " keeps only the layer being computed on the GPU and"
-            f" {_gb(full_off.offloaded)} per GPU in host memory (slowest option)."
+            f" {_size(full_off.offloaded)} per GPU in host memory (slowest option)."
         )
         deepspeed = {**zero3, "offload_optimizer": "cpu", "offload_param": "cpu"}
         return Advice("zero3+offload", deepspeed, fsdp, full_off.model_states, [intro, why])
     why = (
-        f"Host memory ({_gb(cpu_memory or 0)} per GPU) cannot hold the offloaded"
-        f" {_gb(full_off.offloaded)}: add GPUs, offload to NVMe (ZeRO-Infinity, needs"
+        f"Host memory ({_size(cpu_memory or 0)} per GPU) cannot hold the offloaded"
+        f" {_size(full_off.offloaded)}: add GPUs, offload to NVMe (ZeRO-Infinity, needs"
         " DeepSpeed's async_io), or shrink the model."
     )
     nvme = {"offload_optimizer": "nvme", "offload_param": "nvme", "nvme_path": "/local/nvme"}
@@ -143,7 +144,7 @@ def _offload_single_gpu(
     if off.model_states <= budget and _cpu_ok(off.offloaded, cpu_memory):
         why = (
             "With one GPU there is nothing to shard across; ZeRO-Offload moves gradients and"
-            f" optimizer state to the CPU, leaving {_gb(off.model_states)} of parameters on the"
+            f" optimizer state to the CPU, leaving {_size(off.model_states)} of parameters on the"
             " GPU."
         )
         deepspeed = {"strategy": "deepspeed", "zero_stage": 2, "offload_optimizer": "cpu"}
@@ -155,5 +156,11 @@ def _cpu_ok(offloaded: float, cpu_memory: float | None) -> bool:
     return cpu_memory is None or offloaded <= cpu_memory * HEADROOM
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+def _millions(count: float) -> str:
+    """1,558M; 0.53M for a model too small to round to a whole million."""
+    return f"{count / 1e6:,.0f}M" if count >= 1e7 else f"{count / 1e6:.2g}M"
+
+
+def _size(n: float) -> str:
+    """GB to one decimal, or MB below 0.1 GB (a small model's states are not "0.0 GB")."""
+    return f"{n / 1e9:.1f} GB" if n >= 1e8 else f"{n / 1e6:.1f} MB"

@@ -23,9 +23,17 @@ import torch.distributed as dist
 try:
     import nbdist  # nbdist.log() is a no-op outside a notebook cluster
 except ImportError:  # the script runs without nbdist installed too
+    import sys
     import types
 
-    nbdist = types.SimpleNamespace(log=lambda *args, **kwargs: None)
+    def _needs_nbdist(name):
+        raise AttributeError(f"nbdist.{name} needs nbdist installed; without it only nbdist.log"
+                             " works (as a no-op)")
+
+    # in sys.modules, so the cells' own `import nbdist` finds it instead of failing
+    nbdist = sys.modules["nbdist"] = types.ModuleType("nbdist")
+    nbdist.log = lambda *args, **kwargs: None
+    nbdist.__getattr__ = _needs_nbdist
 
 THREADS = None
 """Threads per rank: %dist_start --threads in the notebook (None: cores / ranks on this host)."""
