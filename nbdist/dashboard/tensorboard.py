@@ -18,7 +18,7 @@ from typing import Any
 
 from nbdist.errors import NbdistError
 
-INSTALL_HINT = "pip install 'nbdist[tensorboard]' (or: pip install tensorboard)"
+INSTALL_HINT = "pip install tensorboard"
 
 
 def _protos() -> tuple[Any, Any, Any]:

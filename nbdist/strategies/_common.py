@@ -29,7 +29,8 @@ class StrategyOptionError(NbdistError, ValueError):
 
 DEEPSPEED_MISSING = (
     "strategy='deepspeed' needs DeepSpeed, which is not installed on this rank. "
-    "Install it on every rank with `pip install nbdist[deepspeed]` (or `pip install deepspeed`), "
+    "Install it on every rank with `pip install deepspeed` (in a clone of nbdist: "
+    "`pip install -e '.[deepspeed]'`), "
     "then %dist_restart; or use strategy='fsdp' (ZeRO-3-like) which needs nothing extra."
 )
 
