@@ -1,7 +1,7 @@
 """Merged output as properties: whatever the ranks print, however their text is chunked and
 interleaved, and however the clock moves, every line reaches the notebook exactly once, each rank's
 lines in its own order, a line several ranks print alike is shown once with their ranks, and no
-line waits longer than the live-output interval. The sink is the one the magic uses (no IPython
+line waits longer than the live-output interval, or than the hold for a late rank. The sink is the one the magic uses (no IPython
 here, so its labels are plain); the head/tail bound and the logs are `CellOutput`'s own."""
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from nbdist.cells.result import CellResult, RankError
 from nbdist.cluster.ranks import parse_ranks
 from nbdist.config import NbdistConfig
 from nbdist.errors import DistributedCellError, NbdistError
+from nbdist.notebook.merge import LineMerger, ranks_of
 from nbdist.notebook.progress import render_loop, visible_text
 from nbdist.notebook.rank_board import RankBoard, static_bundle
 from nbdist.notebook.sink import NotebookSink
@@ -40,6 +41,7 @@ def _plain_terminal() -> Iterator[None]:
     sink._in_ipython = original
 
 INTERVAL = 0.1
+HOLD = 0.25
 _LABEL = re.compile(r"^\[ranks? ([\d,-]+)\] (.*)$")
 
 # a small alphabet, so that ranks often print the same line; some lines are progress bars
@@ -97,8 +99,8 @@ def _play(lines: list[list[str]], steps: list[tuple[int, int, float]]
     clock = _Clock()
     out = _Timed(clock)
     texts = ["".join(f"{line}\n" for line in rank_lines) for rank_lines in lines]
-    sink = NotebookSink(ranks=range(len(lines)), config=NbdistConfig(output_interval=INTERVAL),
-                        clock=clock)
+    config = NbdistConfig(output_interval=INTERVAL, output_hold_max=HOLD)
+    sink = NotebookSink(ranks=range(len(lines)), config=config, clock=clock)
     arrived: dict[tuple[int, int], float] = {}
     sent = [0] * len(lines)
     with redirect_stdout(out):
@@ -134,7 +136,7 @@ def test_every_line_once_in_rank_order_merged_and_never_late(run) -> None:
     for rank, rank_lines in enumerate(lines):
         assert [text for _at, text in seen[rank]] == [_visible(line) for line in rank_lines]
         for number, (at, _text) in enumerate(seen[rank]):
-            assert at - arrived[(rank, number)] <= INTERVAL + 1e-9, (rank, number, at)
+            assert at - arrived[(rank, number)] <= HOLD + 1e-9, (rank, number, at)
 
 
 @settings(max_examples=150, deadline=None)
@@ -151,6 +153,40 @@ def test_alike_output_on_every_rank_is_shown_once(lines, ranks, random) -> None:
     out, _arrived = _play([lines] * ranks, steps)
     everyone = f"[ranks 0-{ranks - 1}]"
     assert [line for _at, line in out.lines] == [f"{everyone} {_visible(ln)}" for ln in lines]
+
+
+def _shown(merger: LineMerger, now: float) -> list[tuple[list[int], str]]:
+    return [(ranks_of(mask), text) for mask, text in merger.due(now)]
+
+
+def test_a_late_rank_holds_the_line_it_has_not_printed_yet() -> None:
+    """Copies of a line further apart than the interval still merge while the late rank printed
+    the lines before it alike; the hold ends at `hold_max`, or once the rank is done."""
+    merger = LineMerger(range(3), INTERVAL, HOLD)
+    merger.add(0, ["a", "b"], 0.0)
+    merger.add(1, ["a", "b"], 0.0)
+    assert _shown(merger, 0.2) == [] and merger.next_due(0.2) == pytest.approx(HOLD - 0.2)
+    merger.add(2, ["a"], 0.2)  # late: every rank's "a" at once, "b" still waits for rank 2
+    assert _shown(merger, 0.2) == [([0, 1, 2], "a")]
+    assert _shown(merger, HOLD - 0.01) == []
+    assert _shown(merger, HOLD) == [([0, 1], "b")]  # rank 2 is late by more than the hold
+    merger.add(0, ["c"], 1.0)
+    merger.rank_done(1)
+    merger.add(2, ["b", "c"], 1.0)  # its "c" comes after rank 0's: it cannot join it
+    assert _shown(merger, 1.0) == []
+    # nobody waits for rank 0, which printed more lines than rank 2 had with its "b"
+    assert _shown(merger, 1.0 + INTERVAL) == [([0], "c"), ([2], "b"), ([2], "c")]
+
+
+def test_a_line_the_other_ranks_print_differently_waits_only_the_interval() -> None:
+    merger = LineMerger(range(3), INTERVAL, HOLD)
+    merger.add(0, ["only rank 0"], 0.0)
+    merger.add(1, ["rank 1's own"], 0.0)
+    merger.add(2, ["rank 2's own"], 0.0)
+    assert _shown(merger, INTERVAL) == [([0], "only rank 0"), ([1], "rank 1's own"),
+                                        ([2], "rank 2's own")]
+    merger.add(0, ["next"], 0.2)  # its last line was its own: no other rank is late for it
+    assert _shown(merger, 0.2 + INTERVAL) == [([0], "next")]
 
 
 def _keep_rank_order(steps: list[tuple[int, int, float]]) -> list[tuple[int, int, float]]:

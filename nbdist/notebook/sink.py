@@ -57,8 +57,9 @@ class NotebookSink:
         self._clock = clock
         self._color = _in_ipython()
         self._lines = StreamLines()
-        self._mergers = {name: LineMerger(shown, settings.output_interval)
-                         for name in _STREAMS} if self.output == "merged" else {}
+        self._mergers = {
+            name: LineMerger(shown, settings.output_interval, settings.output_hold_max)
+            for name in _STREAMS} if self.output == "merged" else {}
         self._labels: dict[int, str] = {}  # by the mask of ranks (see merge.ranks_of)
         many = shown is not None and len(shown) >= settings.rank_view_ranks
         self.board = RankBoard(shown or []) if self.output == "ranks" or (
