@@ -281,9 +281,30 @@ def test_a_failure_reads_as_plain_text_and_renders_in_colour() -> None:
         message = str(exc)
         assert "\x1b" not in message and "ValueError: bad" in message
         assert coloured in exc._render_traceback_()
-        # six ranks that failed alike: one headline, one traceback; two alike: one line each
+        # six ranks that failed alike: one headline, one traceback; two alike: one line
         assert message.count("ValueError: bad") == 2 and "ranks 0-5 raised ValueError" in message
-        assert "rank 6: was waiting in barrier" in message and "rank 7: was waiting" in message
+        assert "ranks 6-7: was waiting in barrier" in message and "rank 7" not in message
+
+
+def test_two_ranks_that_failed_alike_share_one_traceback_different_ones_keep_theirs() -> None:
+    def traceback(cell: int, name: str) -> str:
+        return (f"\x1b[36mCell\x1b[39m \x1b[32mIn[{cell}]\x1b[39m, line 1\n"
+                f"----> 1 x = {name}\n\nNameError: name '{name}' is not defined")
+
+    def error(rank: int, cell: int, name: str) -> RankError:
+        return RankError(rank=rank, kind="root", ename="NameError",
+                         evalue=f"name '{name}' is not defined", traceback=traceback(cell, name))
+
+    # rank 1 ran one cell more than rank 0 (--ranks 1): its cell number differs, not its error
+    alike = CellResult(code="", ranks=[0, 1], errors={0: error(0, 5, "x"), 1: error(1, 6, "x")})
+    message = alike.failure_message()
+    assert "── ranks 0-1 raised NameError: name 'x' is not defined ──" in message
+    assert message.count("----> 1 x = x") == 1 and "In[5]" in message, message
+    assert alike.errors[1].traceback.count("In[6]") == 1  # each rank's own, kept
+    apart = CellResult(code="", ranks=[0, 1], errors={0: error(0, 5, "x"), 1: error(1, 5, "y")})
+    message = apart.failure_message()
+    assert "── rank 0 raised NameError: name 'x'" in message
+    assert "── rank 1 raised NameError: name 'y'" in message
 
 
 def test_the_output_mode_is_checked_where_it_is_set() -> None:
