@@ -44,14 +44,17 @@ class RankError:
         return f"{who} raised {self.ename}: {self.evalue}"
 
     def same_failure(self) -> tuple[str, ...]:
-        """What two ranks share when they failed the same way: everything but the rank, and the
+        """What two ranks share when they failed the same way: everything but the rank, the
         cell's number in the traceback (a rank that ran a cell the others did not counts one
-        more)."""
-        return (self.kind, self.ename, self.evalue, self.where, self.out_of_memory,
-                _CELL_NUMBER.sub("In[]", strip_ansi(self.traceback)))
+        more) and objects' addresses."""
+        return (self.kind, self.ename, _ADDRESS.sub("0x", self.evalue), self.where,
+                self.out_of_memory,
+                _ADDRESS.sub("0x", _CELL_NUMBER.sub("In[]", strip_ansi(self.traceback))))
 
 
 _CELL_NUMBER = re.compile(r"\bIn\[\d+\]")
+_ADDRESS = re.compile(r"\b0x[0-9a-f]{6,}\b")
+"""An object's address in a message (`<... object at 0x7f60fc653370>`): each rank has its own."""
 
 
 @dataclass
