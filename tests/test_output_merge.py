@@ -23,6 +23,7 @@ from nbdist.cluster.ranks import parse_ranks
 from nbdist.config import NbdistConfig
 from nbdist.errors import DistributedCellError, NbdistError
 from nbdist.notebook.merge import LineMerger, ranks_of
+from nbdist.notebook.noise import LIBAIO_NOTE
 from nbdist.notebook.progress import render_loop, visible_text
 from nbdist.notebook.rank_board import RankBoard, static_bundle
 from nbdist.notebook.sink import NotebookSink
@@ -305,6 +306,31 @@ def test_two_ranks_that_failed_alike_share_one_traceback_different_ones_keep_the
     message = apart.failure_message()
     assert "── rank 0 raised NameError: name 'x'" in message
     assert "── rank 1 raised NameError: name 'y'" in message
+
+
+def test_deepspeeds_libaio_check_reads_as_one_note_and_other_link_errors_stay() -> None:
+    libaio = ("/usr/bin/ld: cannot find -laio: No such file or directory\n"
+              "collect2: error: ld returned 1 exit status\n")
+    other = ("/usr/bin/ld: cannot find -lfoo: No such file or directory\n"
+             "collect2: error: ld returned 1 exit status\n")
+    for mode, expected in (("merged", [f"[ranks 0-1] {LIBAIO_NOTE}",
+                                       "[ranks 0-1] /usr/bin/ld: cannot find -lfoo: No such file "
+                                       "or directory",
+                                       "[ranks 0-1] collect2: error: ld returned 1 exit status"]),
+                           ("raw", None)):
+        err = io.StringIO()
+        sink = NotebookSink(ranks=range(2), output=mode)
+        with redirect_stdout(io.StringIO()), redirect_stderr(err):
+            for rank in range(2):  # cut mid-line, checked twice (once per DeepSpeed engine)
+                sink.on_stream(rank, "stderr", libaio[:30])
+                sink.on_stream(rank, "stderr", libaio[30:] + libaio + other)
+                sink.on_rank_done(rank, "finished")
+            sink.close(None)
+        shown = err.getvalue().splitlines()
+        if expected is None:  # raw: every line as it came
+            assert len(shown) == 12 and shown[0].endswith(libaio.splitlines()[0]), shown
+        else:
+            assert shown == expected, shown
 
 
 def test_the_output_mode_is_checked_where_it_is_set() -> None:

@@ -160,6 +160,25 @@ def test_alike_lines_stay_merged_on_busy_cores(kernel8: Kernel, busy_cores: list
     assert lines == [(list(range(8)), f"step {step} done") for step in range(8)], lines
 
 
+LINKER_CELL = """%%distributed
+import sys
+# what DeepSpeed's libaio check leaves on a rank without libaio: its linker's stderr. The linker
+# writes to fd 2, which the rank's kernel forwards to sys.stderr; under pytest it does not
+# (ipykernel leaves fd 2 alone when PYTEST_CURRENT_TEST is set), so the lines go there directly
+sys.stderr.write("/usr/bin/ld: cannot find -laio: No such file or directory\\n"
+                 "collect2: error: ld returned 1 exit status\\n")
+"""
+
+
+def test_deepspeeds_libaio_check_shows_as_one_note(kernel8: Kernel) -> None:
+    from nbdist.notebook.noise import LIBAIO_NOTE
+
+    lines = _lines(kernel8.run(LINKER_CELL), "stderr")
+    assert lines == [(list(range(8)), LIBAIO_NOTE)], lines
+    kept = kernel8.value("_dist_result.output(3)")  # the rank's own record keeps the linker's
+    assert "cannot find -laio" in kept and "collect2" in kept, kept
+
+
 FAILING_CELL = """%%distributed
 from tqdm.auto import tqdm
 import time
