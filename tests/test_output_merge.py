@@ -336,6 +336,8 @@ def test_deepspeeds_libaio_check_reads_as_one_note_and_other_link_errors_stay() 
 def test_the_output_mode_is_checked_where_it_is_set() -> None:
     with pytest.raises(NbdistError, match="output_mode 'loud': one of merged, ranks, raw"):
         NbdistConfig(output_mode="loud")
+    with pytest.raises(NbdistError, match=r"output_hold_max=0.1: at least output_interval \(0.3\)"):
+        NbdistConfig(output_hold_max=0.1)
 
 
 def test_raw_output_holds_nothing_back_and_ranks_output_writes_blocks() -> None:
