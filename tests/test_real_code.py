@@ -114,6 +114,11 @@ def test_a_traceback_shows_the_cell_and_the_library_it_called_not_nbdist(cluster
     plain = strip_ansi(spawned.errors[1].traceback)
     assert "----> 4 mp.spawn(f, nprocs=5)" in plain and "LauncherInCellError" in plain, plain
     assert plain.count("/nbdist/") == 1 and "pasted_code.py" in plain, plain  # where it raised
+    parsed = cluster.run("def parse(text):\n    return compile(text, 'cfg', 'exec')\n"
+                         "parse('for x')", timeout=60)  # a SyntaxError the cell's code raised
+    plain = strip_ansi(parsed.errors[0].traceback)
+    assert "Cell In[" in plain and "in parse" in plain and "File cfg:1" in plain, plain
+    assert "interactiveshell" not in plain and "/nbdist/" not in plain, plain
 
 
 def _frame_files() -> list[str]:

@@ -38,8 +38,13 @@ def _format(shell: Any, etype: type, value: BaseException, tb: Any,
             lines = _traceback.format_exception(etype, value, shown or tb)
             stb = ["".join(lines).rstrip("\n")]
             ipp_compat.show_traceback(shell, etype, value, stb)
-        else:
-            # IPython's own drawing: a SyntaxError's caret block, an exception's own rendering
+        elif issubclass(etype, SyntaxError):
+            # IPython's caret block, under the cell's frames when its code raised it (compile,
+            # ast.parse): IPython's showsyntaxerror would take every frame from sys.exc_info()
+            frames = _traceback.extract_tb(shown) if shown is not None else []
+            stb = shell.SyntaxTB.structured_traceback(etype, value, frames)
+            ipp_compat.show_traceback(shell, etype, value, stb)
+        else:  # IPython's own drawing (or an exception's own, _render_traceback_)
             shell.showtraceback((etype, value, shown or tb),
                                 tb_offset=0 if shown is not None else tb_offset)
     # as showtraceback leaves them, but with every frame: post-mortem debugging walks them all
