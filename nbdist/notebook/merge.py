@@ -92,7 +92,8 @@ class LineMerger:
         self._by_text: dict[str, int | list[int]] = {}  # the pending groups of each text, in order
         self._latest: dict[int, int] = {}  # rank -> number of the last group it joined
         self._counts: dict[int, int] = {}  # rank -> how many lines it printed
-        self._shown_with: dict[int, int] = {}  # rank -> the ranks of its last line shown
+        self._shown_with: dict[int, int] = {}  # a rank's bit -> the ranks of its last line shown
+        self._last_shown = 0  # the ranks of the last line shown
         self._opened = 0
 
     def add(self, rank: int, lines: list[str], now: float) -> None:
@@ -138,14 +139,18 @@ class LineMerger:
         if not pending or expected == 0:
             return self.flush()  # (every rank is done: nothing is waited for)
         out: list[Merged] = []
-        shown_with = self._shown_with
+        shown_with, hold, last_shown = self._shown_with, self._hold, self._last_shown
         while pending:
             number, text, due_at, opener, index = pending[0]
             if now < due_at:
                 if expected is None or (masks.get(number, 0) | opener) & expected != expected:
                     break
-            elif now < due_at + self._hold and self._late(number, opener, index):
-                break
+            elif expected is not None and now < due_at + hold:
+                # the ranks its opener's last line was shown with (at first: all) not in it yet
+                wanted = shown_with.get(opener, expected) & expected
+                wanted &= ~(masks.get(number, 0) | opener)
+                if wanted and self._late(number, wanted, index):
+                    break
             pending.popleft()
             same = by_text[text]
             if type(same) is int or len(same) == 1:  # type: ignore[arg-type]
@@ -153,25 +158,19 @@ class LineMerger:
             else:  # the oldest group leaves first: it is the first of its text
                 del same[0]  # type: ignore[union-attr]
             mask = masks.pop(number, 0) | opener
-            if mask == opener:
-                shown_with[opener.bit_length() - 1] = mask
-            else:
+            if mask != last_shown:  # (the same ranks as the line before: nothing changes)
                 for rank in ranks_of(mask):
-                    shown_with[rank] = mask
+                    shown_with[1 << rank] = mask
+                last_shown = mask
             out.append((mask, text))
+        self._last_shown = last_shown
         return out
 
-    def _late(self, number: int, opener: int, index: int) -> bool:
-        """Whether group `number`, the opener's line `index`, waits for a late rank: one expected,
-        not in it, whose last line shown was shown together with the opener's (every expected
-        rank before any line was shown: a cell starts alike on every rank), that has printed
-        fewer lines than the opener had with this one, and that can still join it (its last
-        line is older than the group)."""
-        expected = self.expected
-        if expected is None:
-            return False
-        wanted = self._shown_with.get(opener.bit_length() - 1, expected) & expected
-        wanted &= ~(self._masks.get(number, 0) | opener)
+    def _late(self, number: int, wanted: int, index: int) -> bool:
+        """Whether group `number`, its opener's line `index`, waits for a late rank among
+        `wanted` (expected ranks not in it, whose last line shown was shown with the opener's):
+        one that has printed fewer lines than the opener had with this one, and that can still
+        join it (its last line is older than the group)."""
         latest, counts = self._latest, self._counts
         return any(latest.get(rank, -1) < number and counts.get(rank, 0) <= index
                    for rank in ranks_of(wanted))
