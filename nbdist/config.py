@@ -147,6 +147,12 @@ class OutputConfig:
     0.2 s a rank's kernel gathers its output for: two ranks printing alike at once may send it
     up to that far apart."""
 
+    output_hold_max: float = 2.0
+    """Seconds a line may wait, at most, for ranks that printed the lines before it alike and have
+    not printed it yet (merged output): on a busy machine such a rank's copy comes seconds late,
+    and it is worth the wait; a line whose other ranks print something else waits
+    `output_interval` only."""
+
     rank_view_ranks: int = 5
     """From this many ranks on, a cell shows the per-rank view (state and last line of each
     rank, a filter to read one rank or a group) and one progress bar per loop, not per rank."""
@@ -166,6 +172,9 @@ class OutputConfig:
             raise NbdistError(f"NbdistConfig.output_mode {self.output_mode!r}: one of "
                               f"{', '.join(OUTPUT_MODES)}")
         _check_fields(self)
+        if self.output_hold_max < self.output_interval:
+            raise NbdistError(f"NbdistConfig.output_hold_max={self.output_hold_max}: at least "
+                              f"output_interval ({self.output_interval})")
         if self.output_tail_chars > self.max_output_chars:
             raise NbdistError(f"NbdistConfig.output_tail_chars={self.output_tail_chars}: at most "
                               f"max_output_chars ({self.max_output_chars})")

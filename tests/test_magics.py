@@ -38,6 +38,26 @@ def test_cell_before_start_says_so(ip):
         ip.run_cell_magic("distributed", "", "print(1)")
 
 
+def test_a_cell_that_does_not_parse_shows_the_caret_block_alone(ip, capsys):
+    """As IPython shows a local SyntaxError: no frames of the magic, nbdist or IPython, and
+    nothing sent (no cluster is needed to see it); through %autodist too."""
+    for cell in ("%%distributed\nfor step in range(3)\n    pass\n", "for step in range(3)\n"):
+        autodist = not cell.startswith("%%")
+        if autodist:
+            ip.run_line_magic("autodist", "on")
+        capsys.readouterr()
+        try:
+            result = ip.run_cell(cell)
+            shown = re.sub(r"\x1b\[[0-9;]*m", "", capsys.readouterr().out)
+        finally:
+            ip.run_line_magic("autodist", "off")
+        assert isinstance(result.error_before_exec, SyntaxError), result
+        assert "SyntaxError: expected ':'" in shown and "File <distributed cell>:1" in shown, shown
+        assert "for step in range(3)\n" in shown and "^" in shown, shown
+        assert "nbdist" not in shown and "Traceback" not in shown, shown
+        assert "interactiveshell" not in shown and "run_cell_magic" not in shown, shown
+
+
 @pytest.mark.parametrize("line,message", [
     ("-n 0", "1 or more"), ("-n two", "not a whole number"),
     ("--backend mpi", "invalid choice"), ("--bogus", "unrecognized arguments"),

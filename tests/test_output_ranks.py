@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +120,63 @@ def test_alike_lines_once_others_per_rank_and_the_view_saved(kernel8: Kernel) ->
     states = [c["data"]["state"] for c in _of(messages, "comm_msg")
               if "rows" in c["data"].get("state", {})]
     assert states and len(states[-1]["rows"]) == 8
+
+
+BUSY_LOOP = "import time\nend = time.monotonic() + 180\nwhile time.monotonic() < end:\n    pass\n"
+"""A CPU load generator that ends by itself too, should its finalizer never run."""
+
+
+@pytest.fixture
+def busy_cores() -> Iterator[list[int]]:
+    """Two busy-loop processes, one per core of a 2-core machine: the ranks' copies of a line
+    then reach the notebook further apart than the merge interval."""
+    loops = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(2)]
+    try:
+        yield [loop.pid for loop in loops]
+    finally:
+        for loop in loops:
+            loop.kill()  # by its PID, through its own Popen
+            loop.wait(timeout=30)
+
+
+STEPS_CELL = """%%distributed
+import torch
+for step in range(8):
+    a = torch.randn(300, 300)
+    for _ in range(40):  # a few tenths of a second of compute, more on busy cores
+        a = torch.tanh(a @ a)
+    print(f"step {step} done")
+"""
+
+
+def test_alike_lines_stay_merged_on_busy_cores(kernel8: Kernel, busy_cores: list[int]) -> None:
+    config = "nbdist.notebook.magics.current_cluster().config"
+    kernel8.run(f"{config}.output_interval = 0.3")  # the defaults: 0.3 s, a late rank held 2 s
+    try:
+        messages = kernel8.run(STEPS_CELL)
+    finally:
+        kernel8.run(f"{config}.output_interval = 1.0")
+    lines = _lines(messages)
+    assert lines == [(list(range(8)), f"step {step} done") for step in range(8)], lines
+
+
+LINKER_CELL = """%%distributed
+import sys
+# what DeepSpeed's libaio check leaves on a rank without libaio: its linker's stderr. The linker
+# writes to fd 2, which the rank's kernel forwards to sys.stderr; under pytest it does not
+# (ipykernel leaves fd 2 alone when PYTEST_CURRENT_TEST is set), so the lines go there directly
+sys.stderr.write("/usr/bin/ld: cannot find -laio: No such file or directory\\n"
+                 "collect2: error: ld returned 1 exit status\\n")
+"""
+
+
+def test_deepspeeds_libaio_check_shows_as_one_note(kernel8: Kernel) -> None:
+    from nbdist.notebook.noise import LIBAIO_NOTE
+
+    lines = _lines(kernel8.run(LINKER_CELL), "stderr")
+    assert lines == [(list(range(8)), LIBAIO_NOTE)], lines
+    kept = kernel8.value("_dist_result.output(3)")  # the rank's own record keeps the linker's
+    assert "cannot find -laio" in kept and "collect2" in kept, kept
 
 
 FAILING_CELL = """%%distributed

@@ -13,6 +13,7 @@ import pytest
 from nbclient import NotebookClient
 
 from nbdist import Cluster
+from nbdist.text import strip_ansi
 from nbdist.worker.net import free_port
 
 DDP_SETUP = """
@@ -94,6 +95,41 @@ def test_a_syntax_error_is_raised_before_anything_is_sent(cluster: Cluster) -> N
         cluster.run("x = (1,\nprint(x)")
     after = cluster.run(count).raise_for_errors().grouped_values()
     assert [int(v) for _, v in after] == [int(v) + 1 for _, v in before]  # nothing ran between
+
+
+def test_a_traceback_shows_the_cell_and_the_library_it_called_not_nbdist(cluster: Cluster) -> None:
+    """nbdist wraps torch.distributed's collectives and runs a pasted mp.spawn in place: none of
+    its frames is shown, but where nbdist itself raised; the rank keeps every frame to debug."""
+    result = cluster.run("import torch.distributed as dist\ndist.all_reduce([1, 2])", timeout=60)
+    plain = strip_ansi(result.errors[0].traceback)
+    assert "----> 2 dist.all_reduce([1, 2])" in plain and "distributed_c10d.py" in plain, plain
+    assert "/nbdist/" not in plain and "interactiveshell" not in plain, plain
+    message = result.failure_message()
+    assert "── ranks 0-1 raised TypeError: Invalid function argument" in message, message
+    assert message.count("Traceback (most recent call last)") == 1, message
+    frames = cluster.call(_frame_files).results
+    assert any("/nbdist/worker/collectives.py" in f for f in frames[0]), frames[0]
+    spawned = cluster.run("import torch.multiprocessing as mp\ndef f(i):\n    pass\n"
+                          "mp.spawn(f, nprocs=5)", timeout=60)
+    plain = strip_ansi(spawned.errors[1].traceback)
+    assert "----> 4 mp.spawn(f, nprocs=5)" in plain and "LauncherInCellError" in plain, plain
+    assert plain.count("/nbdist/") == 1 and "pasted_code.py" in plain, plain  # where it raised
+    parsed = cluster.run("def parse(text):\n    return compile(text, 'cfg', 'exec')\n"
+                         "parse('for x')", timeout=60)  # a SyntaxError the cell's code raised
+    plain = strip_ansi(parsed.errors[0].traceback)
+    assert "Cell In[" in plain and "in parse" in plain and "File cfg:1" in plain, plain
+    assert "interactiveshell" not in plain and "/nbdist/" not in plain, plain
+
+
+def _frame_files() -> list[str]:
+    """On a rank: the files of the last error's traceback, as post-mortem debugging walks it."""
+    import sys
+
+    tb, files = sys.last_traceback, []
+    while tb is not None:
+        files.append(tb.tb_frame.f_code.co_filename)
+        tb = tb.tb_next
+    return files
 
 
 def test_pasted_init_and_destroy_process_group(cluster: Cluster) -> None:
@@ -200,6 +236,12 @@ def test_in_a_real_kernel_a_typo_and_a_syntax_error_keep_the_model(tmp_path: Pat
     errors = {i: o for i, cell in enumerate(nb.cells) for o in cell.outputs if o.output_type == "error"}
     assert errors[4].ename == "DistributedCellError" and "NameError" in errors[4].evalue
     assert errors[5].ename == "SyntaxError"
+    typo = strip_ansi("\n".join(errors[4].traceback))
+    assert "── ranks 0-1 raised NameError: name 'undefined_name' is not defined ──" in typo, typo
+    assert typo.count("Traceback (most recent call last)") == 1, typo  # one for both ranks
+    caret = strip_ansi("\n".join(errors[5].traceback))  # as a local SyntaxError: no frames
+    assert "x = (1," in caret and "^" in caret and "never closed" in caret, caret
+    assert "nbdist" not in caret and "Traceback" not in caret, caret
     text = "".join(o.get("text", "") for cell in nb.cells for o in cell.outputs)
     assert "tore down" not in text and "rebuilt" not in text
     assert "same losses" in text

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import re
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,9 +44,17 @@ class RankError:
         return f"{who} raised {self.ename}: {self.evalue}"
 
     def same_failure(self) -> tuple[str, ...]:
-        """What two ranks share when they failed the same way (everything but the rank)."""
-        return (self.kind, self.ename, self.evalue, self.where, self.out_of_memory,
-                strip_ansi(self.traceback))
+        """What two ranks share when they failed the same way: everything but the rank, the
+        cell's number in the traceback (a rank that ran a cell the others did not counts one
+        more) and objects' addresses."""
+        return (self.kind, self.ename, _ADDRESS.sub("0x", self.evalue), self.where,
+                self.out_of_memory,
+                _ADDRESS.sub("0x", _CELL_NUMBER.sub("In[]", strip_ansi(self.traceback))))
+
+
+_CELL_NUMBER = re.compile(r"\bIn\[\d+\]")
+_ADDRESS = re.compile(r"\b0x[0-9a-f]{6,}\b")
+"""An object's address in a message (`<... object at 0x7f60fc653370>`): each rank has its own."""
 
 
 @dataclass
@@ -104,8 +113,9 @@ class CellResult:
 
     def failure_message(self, color: bool = False) -> str:
         """Root causes first, each with its traceback; ranks that failed the same way share one
-        (at 64 ranks, one traceback instead of 64). Plain text unless `color`: the ranks'
-        tracebacks then keep IPython's colour codes, for a notebook to show."""
+        headline and one traceback (`ranks 0-63 raised NameError: ...`, at 2 ranks as at 64).
+        Plain text unless `color`: the ranks' tracebacks then keep IPython's colour codes, for a
+        notebook to show."""
         lines: list[str] = []
         summary = f"distributed cell failed on rank(s) {format_ranks(sorted(self.errors))}"
         if self.timed_out:
@@ -123,7 +133,9 @@ class CellResult:
         others = [e for r, e in sorted(self.errors.items()) if r not in shown]
         if others or self.report:
             lines.append("")
-        lines += [err.headline(_who(ranks)) for ranks, err in _alike(others)]
+        # shown by headline only: ranks whose headlines match share one
+        lines += [err.headline(_who(ranks))
+                  for ranks, err in _alike(others, lambda e: (e.headline("_"),))]
         if self.report_shown and self.report:
             lines.append("(where each rank was at the deadline: see the report above)")
         else:
@@ -144,26 +156,15 @@ class CellResult:
         return f"<CellResult ranks {format_ranks(self.ranks)}: {state}, {self.elapsed:.3f} s>"
 
 
-ALIKE_FROM = 5
-"""Ranks that failed the same way share one headline from this many on (as the per-rank view
-appears from 5 ranks): fewer read as well one by one."""
-
-
-def _alike(errors: Iterable[RankError]) -> list[tuple[list[int], RankError]]:
-    """Errors grouped by `same_failure` (groups under `ALIKE_FROM` ranks split up again), in the
-    order of each group's first rank."""
+def _alike(errors: Iterable[RankError],
+           key: Callable[[RankError], tuple[str, ...]] = RankError.same_failure,
+           ) -> list[tuple[list[int], RankError]]:
+    """Errors grouped by `key`, in the order of each group's first rank: ranks that failed alike
+    share one headline and one traceback (each rank's own stays in `CellResult.errors`)."""
     groups: dict[tuple[str, ...], tuple[list[int], RankError]] = {}
-    kept: dict[int, RankError] = {}
     for err in errors:
-        groups.setdefault(err.same_failure(), ([], err))[0].append(err.rank)
-        kept[err.rank] = err
-    out = []
-    for ranks, err in groups.values():
-        if len(ranks) >= ALIKE_FROM:
-            out.append((ranks, err))
-        else:
-            out += [([rank], kept[rank]) for rank in ranks]
-    return sorted(out, key=lambda group: group[0][0])
+        groups.setdefault(key(err), ([], err))[0].append(err.rank)
+    return sorted(groups.values(), key=lambda group: group[0][0])
 
 
 def _who(ranks: list[int]) -> str:

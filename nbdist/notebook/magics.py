@@ -23,6 +23,7 @@ from nbdist.cluster.ranks import BACKENDS, parse_ranks
 from nbdist.config import OUTPUT_MODES
 from nbdist.errors import NbdistError
 from nbdist.export import SessionLog, export_session
+from nbdist.notebook import transforms
 from nbdist.notebook.options import (
     launcher_kwargs,
     memory_size,
@@ -363,14 +364,10 @@ class DistMagics(Magics):
         choice = _parse(self.autodist, line).state.lower()
         if choice not in ("on", "off"):
             raise UsageError("%autodist takes on or off")
-        transformers = self.shell.input_transformers_cleanup
+        transforms.set_autodist(self.shell, choice == "on")
         if choice == "on":
-            if _autodist_transform not in transformers:
-                transformers.append(_autodist_transform)
             print("nbdist: autodist on: every cell now runs on the ranks (%autodist off to stop)")
         else:
-            if _autodist_transform in transformers:
-                transformers.remove(_autodist_transform)
             print("nbdist: autodist off")
 
 
@@ -381,14 +378,9 @@ def _no_arguments(magic: str, line: str) -> None:
         raise UsageError(f"%{magic} takes no arguments (got {line.strip()!r})")
 
 
-def _autodist_transform(lines: list[str]) -> list[str]:
-    first = next((ln for ln in lines if ln.strip()), "")
-    magic_or_shell = not first or first.lstrip().startswith(("%", "!"))
-    return lines if magic_or_shell else ["%%distributed\n", *lines]
-
-
 def register_magics(ipython: Any) -> None:
     ipython.register_magics(DistMagics)
+    transforms.install(ipython)
     if _SESSION_LOG.cell_finished not in ipython.events.callbacks["post_run_cell"]:
         ipython.events.register("post_run_cell", _SESSION_LOG.cell_finished)
 
@@ -396,5 +388,4 @@ def register_magics(ipython: Any) -> None:
 def unregister_magics(ipython: Any) -> None:
     if _SESSION_LOG.cell_finished in ipython.events.callbacks["post_run_cell"]:
         ipython.events.unregister("post_run_cell", _SESSION_LOG.cell_finished)
-    if _autodist_transform in ipython.input_transformers_cleanup:
-        ipython.input_transformers_cleanup.remove(_autodist_transform)
+    transforms.uninstall(ipython)

@@ -2,9 +2,11 @@
 with ``\\r`` is a progress bar); `LineMerger` shows a line several ranks print alike once, with
 its ranks.
 
-Merging keeps each rank's order and holds a line back at most `interval` seconds: a line waits in
-a group for the same line from the other ranks; groups leave in the order they were opened, and a
-rank joins only a group opened after its previous line's, so no rank's lines ever swap.
+Merging keeps each rank's order: a line waits in a group for the same line from the other ranks;
+groups leave in the order they were opened, and a rank joins only a group opened after its
+previous line's, so no rank's lines ever swap. A group waits `interval` seconds, and up to
+`hold_max` for a rank that printed the lines before it alike and could still join it (it has
+printed nothing since the group opened): on a busy machine that rank is late, not different.
 Lines come in chunks of thousands: both classes work a chunk at a time.
 """
 
@@ -74,27 +76,32 @@ def ranks_of(mask: int) -> list[int]:
 
 class LineMerger:
     """One stream's complete lines from every rank, merged; `ranks` are those expected to print
-    (None: unknown, so every line waits its full interval for company).
+    (None: unknown, so every line waits its interval for company, and no longer).
 
     A group is made for nearly every line, so it is kept small for the garbage collector: a tuple
-    (number, text, due time, the bit of the rank that opened it) in `_pending`; once others join,
-    its ranks as the bits of an int in `_masks`."""
+    (number, text, due time, the bit of the rank that opened it, which line of that rank's it is)
+    in `_pending`; once others join, its ranks as the bits of an int in `_masks`."""
 
-    def __init__(self, ranks: Iterable[int] | None, interval: float) -> None:
+    def __init__(self, ranks: Iterable[int] | None, interval: float,
+                 hold_max: float | None = None) -> None:
         self.expected = None if ranks is None else sum(1 << rank for rank in set(ranks))
         self.interval = interval
-        self._pending: deque[tuple[int, str, float, int]] = deque()
+        self._hold = max(0.0, (interval if hold_max is None else hold_max) - interval)
+        self._pending: deque[tuple[int, str, float, int, int]] = deque()
         self._masks: dict[int, int] = {}  # group number -> its ranks, one bit each, once joined
         self._by_text: dict[str, int | list[int]] = {}  # the pending groups of each text, in order
         self._latest: dict[int, int] = {}  # rank -> number of the last group it joined
+        self._counts: dict[int, int] = {}  # rank -> how many lines it printed
+        self._shown_with: dict[int, int] = {}  # a rank's bit -> the ranks of its last line shown
+        self._last_shown = 0  # the ranks of the last line shown
         self._opened = 0
 
     def add(self, rank: int, lines: list[str], now: float) -> None:
         """One rank's complete lines, in the order it printed them."""
         by_text, masks, pending = self._by_text, self._masks, self._pending
         bit, opened, due_at = 1 << rank, self._opened, now + self.interval
-        latest = self._latest.get(rank, -1)
-        for text in lines:
+        latest, count = self._latest.get(rank, -1), self._counts.get(rank, 0)
+        for index, text in enumerate(lines, count):
             same = by_text.get(text)
             if same is None:  # the usual case: no other rank's line waits with this text
                 by_text[text] = latest = opened
@@ -113,10 +120,11 @@ class LineMerger:
                     latest = same[bisect_right(same, latest)]  # type: ignore[arg-type,index]
                     masks[latest] = masks.get(latest, 0) | bit
                     continue
-            pending.append((opened, text, due_at, bit))
+            pending.append((opened, text, due_at, bit, index))
             opened += 1
         self._opened = opened
         self._latest[rank] = latest
+        self._counts[rank] = count + len(lines)
 
     def rank_done(self, rank: int) -> None:
         """The rank prints nothing more: lines no longer wait for it."""
@@ -124,37 +132,63 @@ class LineMerger:
             self.expected &= ~(1 << rank)
 
     def due(self, now: float) -> list[Merged]:
-        """The lines to show now: from the oldest group, each that every expected rank joined or
-        that has waited `interval`."""
+        """The lines to show now: from the oldest group, each that every expected rank joined,
+        that has waited `interval` and waits for no late rank (`_late`), or that has waited
+        `hold_max`."""
         pending, expected, masks, by_text = self._pending, self.expected, self._masks, self._by_text
         if not pending or expected == 0:
             return self.flush()  # (every rank is done: nothing is waited for)
         out: list[Merged] = []
+        shown_with, hold, last_shown = self._shown_with, self._hold, self._last_shown
         while pending:
-            number, text, due_at, opener = pending[0]
-            if now < due_at and (expected is None
-                                 or (masks.get(number, 0) | opener) & expected != expected):
-                break
+            number, text, due_at, opener, index = pending[0]
+            if now < due_at:
+                if expected is None or (masks.get(number, 0) | opener) & expected != expected:
+                    break
+            elif expected is not None and now < due_at + hold:
+                # the ranks its opener's last line was shown with (at first: all) not in it yet
+                wanted = shown_with.get(opener, expected) & expected
+                wanted &= ~(masks.get(number, 0) | opener)
+                if wanted and self._late(number, wanted, index):
+                    break
             pending.popleft()
             same = by_text[text]
             if type(same) is int or len(same) == 1:  # type: ignore[arg-type]
                 del by_text[text]
             else:  # the oldest group leaves first: it is the first of its text
                 del same[0]  # type: ignore[union-attr]
-            out.append((masks.pop(number, 0) | opener, text))
+            mask = masks.pop(number, 0) | opener
+            if mask != last_shown:  # (the same ranks as the line before: nothing changes)
+                for rank in ranks_of(mask):
+                    shown_with[1 << rank] = mask
+                last_shown = mask
+            out.append((mask, text))
+        self._last_shown = last_shown
         return out
+
+    def _late(self, number: int, wanted: int, index: int) -> bool:
+        """Whether group `number`, its opener's line `index`, waits for a late rank among
+        `wanted` (expected ranks not in it, whose last line shown was shown with the opener's):
+        one that has printed fewer lines than the opener had with this one, and that can still
+        join it (its last line is older than the group)."""
+        latest, counts = self._latest, self._counts
+        return any(latest.get(rank, -1) < number and counts.get(rank, 0) <= index
+                   for rank in ranks_of(wanted))
 
     def next_due(self, now: float) -> float | None:
         """Seconds until the oldest group must be shown (None: nothing waits)."""
         if not self._pending:
             return None
-        return max(0.0, self._pending[0][2] - now)
+        due_at = self._pending[0][2]
+        if now >= due_at:  # it waits for a late rank
+            due_at += self._hold
+        return max(0.0, due_at - now)
 
     def flush(self) -> list[Merged]:
         """Every line still waiting, in order."""
         masks = self._masks
         out = [(masks.get(number, 0) | opener, text)
-               for number, text, _due, opener in self._pending]
+               for number, text, _due, opener, _index in self._pending]
         self._pending.clear()
         self._masks.clear()
         self._by_text.clear()

@@ -17,6 +17,7 @@ from nbdist.cells.result import CellResult
 from nbdist.cluster.ranks import format_ranks
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.notebook.merge import Event, LineMerger, Merged, StreamLines, ranks_of
+from nbdist.notebook.noise import KnownNoise
 from nbdist.notebook.progress import AggregatedBars, Key, ProgressBars
 from nbdist.notebook.rank_board import RankBoard, who
 
@@ -57,8 +58,10 @@ class NotebookSink:
         self._clock = clock
         self._color = _in_ipython()
         self._lines = StreamLines()
-        self._mergers = {name: LineMerger(shown, settings.output_interval)
-                         for name in _STREAMS} if self.output == "merged" else {}
+        self._noise = KnownNoise()
+        self._mergers = {
+            name: LineMerger(shown, settings.output_interval, settings.output_hold_max)
+            for name in _STREAMS} if self.output == "merged" else {}
         self._labels: dict[int, str] = {}  # by the mask of ranks (see merge.ranks_of)
         many = shown is not None and len(shown) >= settings.rank_view_ranks
         self.board = RankBoard(shown or []) if self.output == "ranks" or (
@@ -99,6 +102,8 @@ class NotebookSink:
         rank, name = key
         kind, payload = event
         if isinstance(payload, list):  # complete lines (or a bar's last, no frontend to draw it)
+            if name == "stderr" and self.output != "raw":
+                payload = self._noise.filter(rank, payload)
             merger = self._mergers.get(name)
             if merger is not None:
                 merger.add(rank, payload, now)

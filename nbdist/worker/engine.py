@@ -66,7 +66,13 @@ class ForkedEngine(ipp_compat.ForkserverChild):
         try:
             self._become_engine()
             import runpy
+            import warnings
 
+            # the server imported this module to unpickle this object: running it again as
+            # __main__ is meant, not the accident runpy warns of in the engine's log (which a
+            # dead rank's report shows)
+            warnings.filterwarnings("ignore", f"'{ENGINE_MODULE}' found in sys.modules",
+                                    RuntimeWarning)
             runpy.run_module(ENGINE_MODULE, run_name="__main__", alter_sys=True)
             code = 0
         except SystemExit as exc:

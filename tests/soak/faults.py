@@ -6,13 +6,16 @@ must contain for the report to count as specific (which rank, what happened)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
+import re
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from nbdist.cluster.ranks import format_ranks
 from tests.soak.kernel import Outcome, SoakKernel
 
 RANKS = 4
@@ -82,7 +85,17 @@ def stop_in_python_loop(kernel: SoakKernel, d: Draw) -> Fault:
             "    loss.backward()\n    steps += 1")
     return Fault("stop_loop", f"stop button {delay} s into a training loop",
                  kernel.run(_cell(code), interrupt_after=delay),
-                 ["distributed cell interrupted", *(rf"rank {r}: interrupted at cell line" for r in range(RANKS))])
+                 ["distributed cell interrupted",
+                  *(rf"{_among(r)}: interrupted at cell line" for r in range(RANKS))])
+
+
+def _among(rank: int) -> str:
+    """A regex for a headline naming `rank`, alone or with others that failed alike."""
+    others = [r for r in range(RANKS) if r != rank]
+    named = [f"rank {rank}"] + [
+        f"ranks {format_ranks(sorted([rank, *group]))}"
+        for size in range(1, RANKS) for group in itertools.combinations(others, size)]
+    return "(?:" + "|".join(re.escape(name) for name in named) + ")"
 
 
 def stop_in_collective(kernel: SoakKernel, d: Draw) -> Fault:
