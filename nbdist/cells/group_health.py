@@ -1,0 +1,56 @@
+"""After every cell, from each rank's cell_end telemetry: a group NCCL's watchdog failed (the cell
+fails there, naming the collective, and returns no value), a rank whose NCCL communicators nbdist
+aborted while it ran, and ranks whose counts of queued collectives or transfers disagree."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nbdist.cells.result import RankError
+from nbdist.cells.running_cell import RunningCell
+from nbdist.cells.whereabouts import desynchronised
+
+HOW = {"TIMEOUT": "timed out", "COMM_ERROR": "failed (NCCL error)",
+       "REMOTE_ERROR": "failed on another rank"}
+
+
+def cell_health(run: RunningCell, since: float) -> dict[int, dict[str, Any]]:
+    """Each target rank's health report sent at or after `since` (its clock, time.time())."""
+    found = {}
+    for rank in run.targets:
+        payload = run.cluster.telemetry.last_payload.get(rank) or {}
+        if float(payload.get("t") or 0.0) >= since and payload.get("health"):
+            found[rank] = payload["health"]
+    return found
+
+
+def nccl_errors(health: dict[int, dict[str, Any]], since: float) -> dict[int, RankError]:
+    """A rank whose NCCL group the watchdog failed, or whose communicators nbdist aborted during
+    the cell: whatever it computed after that collective read a buffer NCCL never filled."""
+    errors = {}
+    for rank, report in sorted(health.items()):
+        failed = report.get("nccl_failed") or {}
+        if failed:
+            group, info = sorted(failed.items())[0]
+            what = info.get("collective") or f"a collective of the {group}"
+            errors[rank] = RankError(
+                rank=rank, kind="root", ename="NCCLCollectiveFailed",
+                evalue=(f"{what} {HOW.get(info.get('error'), 'failed')}: NCCL's watchdog "
+                        "aborted the group's communicators and raised nothing in the cell, so "
+                        "what the cell computed after it is not valid and no value is returned"),
+                where=what)
+        elif float(report.get("nccl_aborted_at") or 0.0) >= since:
+            errors[rank] = RankError(
+                rank=rank, kind="collective", ename="NCCLCollectiveAborted",
+                evalue=("nbdist aborted this rank's NCCL communicators while the cell ran: what "
+                        "it computed after its collective is not valid; no value is returned"),
+                where="an NCCL collective (aborted by nbdist)")
+    return errors
+
+
+def out_of_step(health: dict[int, dict[str, Any]], targets: list[int]) -> str:
+    """Why the groups are out of step after a cell every rank finished ("" when they are not, or
+    when a target rank sent no report)."""
+    if sorted(health) != sorted(targets):
+        return ""
+    return desynchronised(health)
