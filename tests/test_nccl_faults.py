@@ -13,7 +13,7 @@ import types
 import torch
 
 from nbdist import Cluster
-from nbdist.cells.group_health import nccl_errors, out_of_step
+from nbdist.cells.group_health import ahead_errors, nccl_errors, out_of_step
 from nbdist.cells.whereabouts import desynchronised, waiting_on_device
 from nbdist.worker import process_group, release
 from nbdist.worker.flight_recorder import EnteredCollective
@@ -107,6 +107,19 @@ def test_an_nccl_failure_fails_the_rank_and_names_the_collective() -> None:
         "all_reduce #3 of the default group timed out: NCCL's watchdog aborted")
     assert "no value is returned" in errors[0].evalue
     assert errors[1].kind == "collective" and "nbdist aborted" in errors[1].evalue
+
+
+def test_a_rank_ahead_on_an_nccl_group_fails_with_no_value() -> None:
+    # NCCL returned at once from a collective its peer never reached: it can never complete
+    health = {0: {"sequence": {"cpu": 2, "cuda": 5, "cuda@group 1 (ranks 0, 1)": 1}},
+              1: {"sequence": {"cpu": 2, "cuda": 4, "cuda@group 1 (ranks 0, 1)": 3}}}
+    errors = ahead_errors(health)
+    assert sorted(errors) == [0, 1]
+    assert errors[0].evalue.startswith("it queued NCCL collective #5 of the default group, "
+                                       "which rank(s) 1 never reached"), errors[0].evalue
+    assert "collective #2-#3 of the group 1 (ranks 0, 1)" in errors[1].evalue, errors[1].evalue
+    assert errors[0].kind == "collective" and "no value is returned" in errors[0].evalue
+    assert ahead_errors({0: {"sequence": {"cpu": 3}}, 1: {"sequence": {"cpu": 2}}}) == {}
 
 
 # -- abort and re-form -------------------------------------------------------------------------

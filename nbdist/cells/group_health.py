@@ -48,6 +48,33 @@ def nccl_errors(health: dict[int, dict[str, Any]], since: float) -> dict[int, Ra
     return errors
 
 
+def ahead_errors(health: dict[int, dict[str, Any]]) -> dict[int, RankError]:
+    """Ranks that queued more NCCL collectives on a group than a peer: the last ones can never
+    complete (NCCL returned at once, and the group is aborted and rebuilt after the cell), so
+    whatever the cell read from their tensors is not valid."""
+    counts: dict[str, dict[int, int]] = {}
+    for rank, report in health.items():
+        for key, number in (report.get("sequence") or {}).items():
+            if key.partition("@")[0] == "cuda":
+                counts.setdefault(key, {})[rank] = int(number)
+    errors = {}
+    for key, by_rank in sorted(counts.items()):
+        least = min(by_rank.values())
+        group = key.partition("@")[2] or "default group"
+        behind = ", ".join(str(r) for r, n in sorted(by_rank.items()) if n == least)
+        for rank, number in sorted(by_rank.items()):
+            if number == least:
+                continue
+            which = f"#{least + 1}" if number == least + 1 else f"#{least + 1}-#{number}"
+            errors.setdefault(rank, RankError(
+                rank=rank, kind="collective", ename="NCCLCollectiveNeverMatched",
+                evalue=(f"it queued NCCL collective {which} of the {group}, which rank(s) "
+                        f"{behind} never reached: it cannot complete, the group is rebuilt, and "
+                        "no value is returned"),
+                where=f"NCCL collective #{least + 1} of the {group}"))
+    return errors
+
+
 def out_of_step(health: dict[int, dict[str, Any]], targets: list[int]) -> str:
     """Why the groups are out of step after a cell every rank finished ("" when they are not, or
     when a target rank sent no report)."""

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from nbdist.cells.flight_verdict import CHECK_HINT, death_lines
-from nbdist.cells.group_health import cell_health, nccl_errors, out_of_step
+from nbdist.cells.group_health import ahead_errors, cell_health, nccl_errors, out_of_step
 from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
@@ -178,6 +178,12 @@ class FaultPolicy:
         collectives or transfers that disagree are noted for `_recover`."""
         health = cell_health(self.run, self.started_wall)
         result = self.run.result
+        # NCCL only: on gloo an unmatched collective blocks (or fails) the rank that queued it
+        complete = sorted(health) == sorted(self.run.targets) and self.cluster.backend == "nccl"
+        for rank, error in (ahead_errors(health) if complete else {}).items():
+            if rank not in result.errors:
+                result.errors[rank] = error
+                result.results.pop(rank, None)
         for rank, error in nccl_errors(health, self.started_wall).items():
             raised = result.errors.get(rank)
             if raised is None:

@@ -27,15 +27,24 @@ def nccl_failures() -> dict[str, str]:
     return found
 
 
+# group -> the collective found in flight when its failure was first seen, this generation: by
+# the cell's end the GPU may have finished it late (a timeout), and the record no longer tells
+_NAMED: dict[str, str] = {}
+_NAMED_IN = [0.0]  # the generation _NAMED belongs to
+
+
 def failed_collective(label: str) -> str:
     """The first collective of the group still in flight in NCCL's record ("all_reduce #3 of
-    the default group"), or "" when the record cannot say."""
+    the default group") when its failure was first seen, or "" when the record cannot say."""
+    if _NAMED_IN[0] != process_group.GENERATION_STARTED:
+        _NAMED.clear()
+        _NAMED_IN[0] = process_group.GENERATION_STARTED
     with contextlib.suppress(Exception):
-        if flight_recorder.available():
+        if label not in _NAMED and flight_recorder.available():
             stuck = [e for e in flight_recorder.entries() if e.group == label and not e.completed]
             if stuck:
-                return min(stuck, key=lambda e: e.seq).title()
-    return ""
+                _NAMED[label] = min(stuck, key=lambda e: e.seq).title()
+    return _NAMED.get(label, "")
 
 
 def health() -> dict[str, Any] | None:
