@@ -19,11 +19,13 @@ import torch
 
 from nbdist import Cluster
 from nbdist.cells.survivors import after_reform
+from nbdist.dashboard.widget import Dashboard
 from nbdist.worker import bootstrap
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU")]
+needs_two = pytest.mark.skipif(GPUS < 2, reason="needs two GPUs")
 
 # `cycles(s)`: how many cycles `torch.cuda._sleep` spins for about `s` seconds on this GPU
 CALIBRATE = """
@@ -103,3 +105,52 @@ def test_the_stop_button_during_a_long_gpu_sync_waits_for_the_gpu(nccl1: Cluster
                    for a in result.actions), result.actions
     assert [p.pid for p in nccl1.ranks] == pids and nccl1.generation == generation
     assert nccl1.run(ALL_REDUCE, timeout=60).raise_for_errors().value_text(0) == "5.0"
+
+
+class TimingSeen:
+    """Every "timing" record of collectives the ranks send."""
+
+    def __init__(self) -> None:
+        self.collectives: list[tuple] = []
+
+    def on_telemetry(self, rank: int, payload: dict) -> None:
+        self.collectives += [(rank, *c) for c in (payload.get("timing") or {}).get(
+            "collectives", [])]
+
+    def on_rank_state(self, rank: int, state: str, detail: str) -> None:
+        pass
+
+
+def test_an_nccl_collective_is_timed_from_its_cuda_events(nccl1: Cluster):
+    seen = TimingSeen()
+    nccl1.telemetry.subscribe(seen)
+    try:
+        # each record is read at the next collective (on the main thread, never the telemetry's)
+        nccl1.run("t = torch.ones(4, device=device)\nfor _ in range(4):\n"
+                  "    dist.all_reduce(t)\n    torch.cuda.synchronize()\n"
+                  "import time\ntime.sleep(1.0)\n", timeout=60).raise_for_errors()
+    finally:
+        nccl1.telemetry.unsubscribe(seen)
+    timed = [c for c in seen.collectives if c[4] == "all_reduce"]
+    assert len(timed) >= 3 and all(0.0 <= c[5] < 1.0 for c in timed), seen.collectives
+
+
+@needs_two
+def test_a_rank_late_on_its_gpu_is_named_the_straggler(fast_config):
+    # rank 1's GPU runs 0.2 s longer each step; its Python returns at once, so only the CUDA
+    # events of the all-reduce show that rank 0 waits for it
+    cluster = Cluster(n=2, backend="nccl", config=fast_config).start()
+    dashboard = Dashboard(cluster.world_size)
+    cluster.telemetry.subscribe(dashboard)
+    try:
+        cluster.run(CALIBRATE).raise_for_errors()
+        cluster.run(
+            "import nbdist\nt = torch.ones(1024, device=device)\nlate = cycles(0.2)\n"
+            "for step in range(16):\n    if rank == 1:\n        torch.cuda._sleep(late)\n"
+            "    dist.all_reduce(t)\n    torch.cuda.synchronize()\n    nbdist.log(step=step)\n",
+            timeout=120).raise_for_errors()
+    finally:
+        cluster.telemetry.unsubscribe(dashboard)
+        dashboard.close()
+        cluster.stop()
+    assert dashboard.view["stragglers"]["flagged"] == 1, dashboard.view.get("stragglers")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nbdist.worker import flight_recorder, process_group
+from nbdist.worker import device_waits, flight_recorder, process_group
 from nbdist.worker.metrics import TIMING
 
 COLLECTIVES = (
@@ -113,11 +113,14 @@ class CollectiveTracker:
                 self._count_p2p(name, group, _argument(args, kwargs, peer, peer_at),
                                 kwargs.get(f"group_{peer}"))
             ticket = TIMING.before(name, group, _argument(args, kwargs, "async_op", async_at))
+            on_device = device_waits.start(_tensors(args)) if ticket is not None else None
             try:
                 with _profile_range(name, group) if self.profiling else contextlib.nullcontext():
                     result = fn(*args, **kwargs)
                 entry["completed"] = True
-                if ticket is not None:
+                if on_device is not None:  # NCCL returned at once: its wait is on the GPU
+                    device_waits.finish(ticket, name, on_device)
+                elif ticket is not None:
                     TIMING.after(ticket, name)
                 return result
             except BaseException as exc:
@@ -138,7 +141,6 @@ class CollectiveTracker:
                   since: float) -> dict[str, Any]:
         """Note the call as the flight recorder would (group, sequence id, input sizes), for
         `entries` where torch's recorder cannot be read."""
-        import torch
         import torch.distributed as dist
 
         if self._generation != process_group.GENERATION_STARTED:  # a new group counts from 1
@@ -151,9 +153,7 @@ class CollectiveTracker:
             if group is not None and group is not dist.group.WORLD:
                 label = f"group (ranks {', '.join(map(str, dist.get_process_group_ranks(group)))})"
         seq = self._sequence[label] = self._sequence.get(label, 0) + 1
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] or [
-            t for a in args if isinstance(a, list | tuple)
-            for t in a if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args)
         entry = {"group": label, "seq": seq, "op": name, "since": since, "completed": False,
                  "sizes": tuple(tuple(t.shape) for t in tensors),
                  # the recorder's (c10's) dtype names: "torch.FloatTensor" -> "Float"
@@ -215,6 +215,14 @@ class CollectiveTracker:
         self.failed_in = CollectiveCall(name, cell_line, time.time())
         self.group_broken = True
         _release_broken_group(exc)
+
+
+def _tensors(args: tuple[Any, ...]) -> list[Any]:
+    """A collective's tensors: its tensor arguments, else those of its list arguments."""
+    import torch
+
+    return [a for a in args if isinstance(a, torch.Tensor)] or [
+        t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
 
 
 def _profile_range(name: str, group: Any) -> Any:
