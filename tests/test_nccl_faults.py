@@ -187,6 +187,8 @@ def test_a_rank_waits_on_its_gpu_unless_a_peer_never_entered_its_collective() ->
     assert not waiting_on_device(peer_absent, 0)
     # nothing in flight: a sync behind the rank's own kernels (x.item())
     assert waiting_on_device(_cluster_seen({0: [_entry(5, True)], 1: []}), 0)
+    # no reading of the recorder yet: not known, so not waited for
+    assert not waiting_on_device(_cluster_seen({0: [], 1: []}), 0)
     # gloo ranks run no kernels: SIGINT reaches Python, the ladder does not wait
     assert not waiting_on_device(_cluster_seen({0: []}, backend="gloo"), 0)
 

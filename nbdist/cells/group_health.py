@@ -15,11 +15,14 @@ HOW = {"TIMEOUT": "timed out", "COMM_ERROR": "failed (NCCL error)",
 
 
 def cell_health(run: RunningCell, since: float) -> dict[int, dict[str, Any]]:
-    """Each target rank's health report sent at or after `since` (its clock, time.time())."""
+    """Each target rank's health report from its cell_end payload, sent at or after `since` (its
+    clock, time.time()): a tick's, taken while the cell ran, could catch one rank before a
+    collective and another after it."""
     found = {}
     for rank in run.targets:
         payload = run.cluster.telemetry.last_payload.get(rank) or {}
-        if float(payload.get("t") or 0.0) >= since and payload.get("health"):
+        if (payload.get("reason") == "cell_end" and payload.get("health")
+                and float(payload.get("t") or 0.0) >= since):
             found[rank] = payload["health"]
     return found
 

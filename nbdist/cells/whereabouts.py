@@ -65,9 +65,10 @@ def waiting_on_device(cluster: ClusterCore, rank: int) -> bool:
     if cluster.backend != "nccl":
         return False
     where = where_of(cluster, rank)
-    if where.get("collective"):
+    flight = where.get("flight")
+    if where.get("collective") or not flight:  # no reading yet (or no recorder): not known
         return False
-    for entry in where.get("flight") or []:
+    for entry in flight:
         if entry.completed:
             continue
         for member in entry.ranks:
