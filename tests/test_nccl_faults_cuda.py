@@ -37,7 +37,7 @@ def cycles(seconds):
 ALL_REDUCE = "t = torch.ones(1, device=device) * 5\ndist.all_reduce(t)\nfloat(t)"
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")  # one cluster for the module: each test leaves it working
 def nccl1(fast_config):
     cluster = Cluster(n=1, backend="nccl",
                       config=fast_config.replace(nccl_process_group_timeout=3.0)).start()
