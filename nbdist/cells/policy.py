@@ -192,7 +192,10 @@ class FaultPolicy:
                 raised.traceback = f"{error.ename}: {error.evalue}\n{raised.traceback}"
             result.results.pop(rank, None)
             self.torn_down = True  # the group is aborted: rebuilt after the cell
-        self.out_of_step = out_of_step(health, self.run.targets)
+        # NCCL only: gloo counts point-to-point transfers in its groups' sequence numbers, so a
+        # pipeline's uneven sends would look out of step (an unmatched gloo collective blocks)
+        if self.cluster.backend == "nccl":
+            self.out_of_step = out_of_step(health, self.run.targets)
 
     def _name_collective_deaths(self, reports: dict[int, dict[str, Any]]) -> None:
         """A rank died while its peers were inside a collective with it: say which, with the
