@@ -10,6 +10,7 @@ import threading
 import time
 import types
 
+import pytest
 import torch
 
 from nbdist import Cluster
@@ -214,3 +215,33 @@ def test_reading_the_groups_health_costs_microseconds(tmp_path) -> None:
         torch.distributed.destroy_process_group()
     assert health is not None and health["sequence"]["cpu"] == 0 and health["nccl_failed"] == {}
     assert per_call < 0.002, per_call  # a no-op cell's own round trip is milliseconds
+
+
+def test_an_nccl_rank_reads_both_recorders_apart(tmp_path, monkeypatch) -> None:
+    # NCCL's own recorder (`_dump_nccl_trace`) exists only in a CUDA build: it stands in here as
+    # a second read of gloo's, in the same format, to check how the two are merged and labelled
+    import pickle
+
+    from torch._C import _distributed_c10d as c10d
+
+    from nbdist import torch_support
+    from nbdist.worker import flight_recorder
+
+    if not torch_support.has("flight-recorder"):
+        pytest.skip("nbdist reads the flight recorder from torch 2.13")
+    store = torch.distributed.FileStore(str(tmp_path / "store"), 1)
+    torch.distributed.init_process_group("gloo", store=store, rank=0, world_size=1)
+    monkeypatch.setattr(process_group, "GENERATION_STARTED", 0.0)
+    try:
+        torch.distributed.all_reduce(torch.ones(3))
+        monkeypatch.setattr(flight_recorder, "_nccl_dump", lambda *_: pickle.loads(
+            c10d._dump_fr_trace(includeCollectives=True, includeStackTraces=False,
+                                onlyActive=False)))
+        entries = flight_recorder.entries()
+        progress = flight_recorder.progress()
+    finally:
+        torch.distributed.destroy_process_group()
+    groups = sorted({e.group for e in entries})
+    assert groups == ["default group", "default group (CPU tensors)"], entries
+    assert [e.since for e in entries] == sorted(e.since for e in entries)
+    assert {name.endswith(" (CPU tensors)") for name in progress} == {True, False}, progress

@@ -131,7 +131,7 @@ def entries() -> list[EnteredCollective]:
             sizes=tuple(map(tuple, e["input_sizes"])), dtypes=tuple(e["input_dtypes"]),
             completed=e["retired"] or e["state"] == "completed",
             since=e["time_created_ns"] / 1e9, ranks=ranks))
-    return found
+    return sorted(found, key=lambda entry: entry.since)  # two recorders' entries, merged
 
 
 def _group_names() -> dict[str, tuple[str, tuple[int, ...]]]:
