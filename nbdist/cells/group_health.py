@@ -18,13 +18,21 @@ def cell_health(run: RunningCell, since: float) -> dict[int, dict[str, Any]]:
     """Each target rank's health report from its cell_end payload, sent at or after `since` (its
     clock, time.time()): a tick's, taken while the cell ran, could catch one rank before a
     collective and another after it."""
-    found = {}
-    for rank in run.targets:
-        payload = run.cluster.telemetry.last_payload.get(rank) or {}
-        if (payload.get("reason") == "cell_end" and payload.get("health")
-                and float(payload.get("t") or 0.0) >= since):
-            found[rank] = payload["health"]
-    return found
+    found = {rank: _cell_end_health(run, rank, since) for rank in run.targets}
+    return {rank: health for rank, health in found.items() if health}
+
+
+def _cell_end_health(run: RunningCell, rank: int, since: float) -> dict[str, Any]:
+    payload = run.cluster.telemetry.last_payload.get(rank) or {}
+    if payload.get("reason") != "cell_end" or float(payload.get("t") or 0.0) < since:
+        return {}
+    return payload.get("health") or {}
+
+
+def nccl_failed(run: RunningCell, rank: int, since: float) -> bool:
+    """A rank that finished the cell "ok" whose NCCL group the watchdog failed: a fault like a
+    rank that raised, for the peers still running."""
+    return bool(_cell_end_health(run, rank, since).get("nccl_failed"))
 
 
 def nccl_errors(health: dict[int, dict[str, Any]], since: float) -> dict[int, RankError]:

@@ -16,7 +16,13 @@ import time
 from typing import Any
 
 from nbdist.cells.flight_verdict import CHECK_HINT, death_lines
-from nbdist.cells.group_health import ahead_errors, cell_health, nccl_errors, out_of_step
+from nbdist.cells.group_health import (
+    ahead_errors,
+    cell_health,
+    nccl_errors,
+    nccl_failed,
+    out_of_step,
+)
 from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
@@ -63,7 +69,7 @@ class FaultPolicy:
             r for r in run.targets
             if r not in run.pending
             and self.cluster.ranks[r].state == "alive"
-            and finished_with_error(run, r)
+            and (finished_with_error(run, r) or nccl_failed(run, r, self.started_wall))
         ]
         dead = [r for r in run.targets if self.cluster.ranks[r].state == "dead"]
         if not failed_idle and not dead:
