@@ -80,7 +80,12 @@ class FaultConfig:
     made to fail there (it cannot see SIGINT until the collective returns)."""
 
     teardown_grace: float = 3.0
-    """After tearing down process groups, seconds before an engine still busy is killed."""
+    """After tearing down process groups, seconds before an engine still busy is killed; also
+    the longest an abort of a rank's NCCL communicators may take."""
+
+    device_wait_grace: float = 30.0
+    """After SIGINT, seconds the ladder waits for NCCL ranks that wait on their GPU (a sync behind
+    queued kernels; no collective missing a peer) before it aborts their group or kills them."""
 
     kill_confirm_wait: float = 3.0
     """After the ladder's SIGKILL, seconds to wait for the engine's exit before marking it dead."""

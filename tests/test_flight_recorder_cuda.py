@@ -66,7 +66,9 @@ def test_an_nccl_collective_one_rank_skips_is_named_and_released(nccl2: Cluster)
 
 
 def test_a_timed_out_nccl_collective_raises_in_the_cell_and_dumps_privately(nccl2: Cluster):
-    # the watchdog (5 s timeout) aborts the group; the cell sees the error 4 x 2 s later
+    # the watchdog (5 s timeout) aborts the group 4 x 2 s later and raises nothing: rank 0's
+    # synchronize() returns, and nbdist fails its cell from the group's error state, then
+    # interrupts rank 1, still running, as after any fault
     pids = [p.pid for p in nccl2.ranks]
     code = ("import time\nt = torch.ones(8, device=device)\nif rank == 0:\n"
             "    dist.all_reduce(t)\n    torch.cuda.synchronize()\nelse:\n    time.sleep(30)\n")
@@ -74,6 +76,8 @@ def test_a_timed_out_nccl_collective_raises_in_the_cell_and_dumps_privately(nccl
     result = nccl2.run(code, timeout=120)
     elapsed = time.perf_counter() - started
     assert 0 in result.errors and elapsed < 5 + 8 + 12, (elapsed, result.failure_message())
+    assert result.errors[0].ename == "NCCLCollectiveFailed", result.failure_message()
+    assert "timed out" in result.errors[0].evalue and 0 not in result.results
     dump = nccl2.run("import glob, os\nprefix = os.environ['TORCH_FR_DUMP_TEMP_FILE']\n"
                      "(oct(os.stat(os.path.dirname(prefix)).st_mode & 0o777), "
                      "sorted(os.path.basename(f) for f in glob.glob(prefix + '*')))",

@@ -8,7 +8,12 @@ import time
 from dataclasses import dataclass, field
 
 from nbdist.cells.running_cell import RunningCell
-from nbdist.cells.whereabouts import blocked_in_collective, telemetry_time, where_text
+from nbdist.cells.whereabouts import (
+    blocked_in_collective,
+    telemetry_time,
+    waiting_on_device,
+    where_text,
+)
 from nbdist.cluster.ranks import format_ranks
 
 
@@ -42,7 +47,8 @@ class InterruptLadder:
         self.run.result.actions.append(
             f"sent SIGINT to rank(s) {format_ranks(sorted(stuck))} ({reason})"
         )
-        if self._wait_after_sigint(stuck):
+        sent = time.time()
+        if self._wait_after_sigint(stuck) or self._wait_for_device(stuck, sent):
             return self.outcome
         stuck &= self.run.pending
         if self._release(stuck):
@@ -51,6 +57,30 @@ class InterruptLadder:
             stuck &= self.run.pending
         self._kill(stuck)
         return self.outcome
+
+    def _wait_for_device(self, stuck: set[int], sent: float) -> bool:
+        """NCCL ranks waiting on their GPU (`waiting_on_device`, from telemetry taken after
+        SIGINT) get up to `device_wait_grace` to finish before their group is aborted; True if
+        every rank stopped. The wait ends early once none of them waits on its GPU any more."""
+        started = time.perf_counter()
+        grace = self.config.faults.device_wait_grace
+        device = self._on_device(stuck, sent)
+        if not device:
+            return False
+        self.run.result.actions.append(
+            f"rank(s) {format_ranks(device)} wait on the GPU, not on a peer: SIGINT takes effect "
+            f"once the GPU is done; waiting up to {grace:g} s before the next step")
+        while time.perf_counter() - started < grace and self._on_device(stuck, sent):
+            step = min(self.config.internal.poll_interval * 5,
+                       grace - (time.perf_counter() - started))
+            if self._pump(step, stuck):
+                return True
+        return not (stuck & self.run.pending)
+
+    def _on_device(self, stuck: set[int], sent: float) -> list[int]:
+        waiting = sorted(stuck & self.run.pending)
+        return [r for r in waiting if telemetry_time(self.cluster, r) > sent
+                and waiting_on_device(self.cluster, r)]
 
     def _release(self, stuck: set[int]) -> bool:
         """Make blocked collectives fail; tear down idle peers' groups. True if it did either."""

@@ -16,11 +16,19 @@ import time
 from typing import Any
 
 from nbdist.cells.flight_verdict import CHECK_HINT, death_lines
+from nbdist.cells.group_health import (
+    ahead_errors,
+    cell_health,
+    nccl_errors,
+    nccl_failed,
+    out_of_step,
+)
 from nbdist.cells.hang_report import blocked_report, hang_report
 from nbdist.cells.ladder import InterruptLadder
 from nbdist.cells.out_of_memory import name_out_of_memory
 from nbdist.cells.rank_errors import CXX_EXCEPTION, classify_errors
 from nbdist.cells.running_cell import RunningCell, finished_with_error
+from nbdist.cells.survivors import after_reform
 from nbdist.cells.whereabouts import (
     blocked_in_collective,
     cell_reports,
@@ -48,6 +56,8 @@ class FaultPolicy:
         """rank -> why nbdist killed its engine (its death detail)."""
         self.hang_report: list[str] = []
         self.started_wall = time.time()
+        self.out_of_step = ""
+        """Why the ranks' groups disagree after the cell, from their cell_end reports."""
 
     # ---------------------------------------------------------------- while the cell runs
     def while_waiting(self) -> None:
@@ -59,7 +69,7 @@ class FaultPolicy:
             r for r in run.targets
             if r not in run.pending
             and self.cluster.ranks[r].state == "alive"
-            and finished_with_error(run, r)
+            and (finished_with_error(run, r) or nccl_failed(run, r, self.started_wall))
         ]
         dead = [r for r in run.targets if self.cluster.ranks[r].state == "dead"]
         if not failed_idle and not dead:
@@ -149,7 +159,9 @@ class FaultPolicy:
         result = self.run.result
         cluster = self.cluster
         destroyed = self.destroyed_by_cell()
-        if not result.errors and not self.ladder_ran and not self.torn_down and not destroyed:
+        self._check_group_health()
+        if (not result.errors and not self.ladder_ran and not self.torn_down and not destroyed
+                and not self.out_of_step):
             return
         reports: dict[int, dict[str, Any]] = {}
         if result.errors or self.ladder_ran or self.torn_down:
@@ -165,6 +177,31 @@ class FaultPolicy:
         if cluster.controller_lost:
             return
         self._recover(reports, destroyed)
+
+    def _check_group_health(self) -> None:
+        """Every cell, from the ranks' cell_end reports: a rank whose NCCL collective failed or
+        was aborted fails, with no value (the watchdog raised nothing in it); counts of queued
+        collectives or transfers that disagree are noted for `_recover`."""
+        health = cell_health(self.run, self.started_wall)
+        result = self.run.result
+        # NCCL only: on gloo an unmatched collective blocks (or fails) the rank that queued it
+        complete = sorted(health) == sorted(self.run.targets) and self.cluster.backend == "nccl"
+        for rank, error in (ahead_errors(health) if complete else {}).items():
+            if rank not in result.errors:
+                result.errors[rank] = error
+                result.results.pop(rank, None)
+        for rank, error in nccl_errors(health, self.started_wall).items():
+            raised = result.errors.get(rank)
+            if raised is None:
+                result.errors[rank] = error
+            elif error.kind == "root":  # its own error came after: the collective's first
+                raised.traceback = f"{error.ename}: {error.evalue}\n{raised.traceback}"
+            result.results.pop(rank, None)
+            self.torn_down = True  # the group is aborted: rebuilt after the cell
+        # NCCL only: gloo counts point-to-point transfers in its groups' sequence numbers, so a
+        # pipeline's uneven sends would look out of step (an unmatched gloo collective blocks)
+        if self.cluster.backend == "nccl":
+            self.out_of_step = out_of_step(health, self.run.targets)
 
     def _name_collective_deaths(self, reports: dict[int, dict[str, Any]]) -> None:
         """A rank died while its peers were inside a collective with it: say which, with the
@@ -202,7 +239,7 @@ class FaultPolicy:
                 " back a full cluster with the same ranks, new processes and a new process group"
             )
             return
-        out_of_step = desynchronised(reports)
+        out_of_step = desynchronised(reports) or self.out_of_step
         if not destroyed and not self._group_broken(reports) and not out_of_step:
             return
         if not self._recoverable_in_process() and not destroyed:
@@ -219,7 +256,7 @@ class FaultPolicy:
             seconds = cluster.rebuild_process_group()
             actions.append(
                 f"{why}process group {'re-formed' if destroyed else 'rebuilt'} (generation "
-                f"{cluster.generation}) in {seconds:.2f} s: the next cell can use dist as before"
+                f"{cluster.generation}) in {seconds:.2f} s: {after_reform(cluster)}"
             )
         except Exception as exc:
             actions.append(

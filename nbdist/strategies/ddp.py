@@ -83,14 +83,16 @@ def wrap(
     if not multi_device:
         model.to(device)  # in place: the optimizer's parameter objects stay valid
     extra = {} if opts.bucket_cap_mb is None else {"bucket_cap_mb": opts.bucket_cap_mb}
-    wrapped = DistributedDataParallel(
-        model,
+    arguments = dict(
         device_ids=[device.index] if device.type == "cuda" and not multi_device else None,
         gradient_as_bucket_view=opts.gradient_as_bucket_view,
         find_unused_parameters=opts.find_unused_parameters,
         static_graph=opts.static_graph,
         **extra,
     )
+    wrapped = DistributedDataParallel(model, **arguments)
+    # nbdist wraps the module again with these when it re-forms the group after a fault
+    wrapped._nbdist_ddp_options = arguments
     return wrapped, rebind_optimizer(optimizer, names, wrapped.module)
 
 

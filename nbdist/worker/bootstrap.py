@@ -14,6 +14,7 @@ from typing import Any
 from nbdist.worker import (
     collectives,
     flight_recorder,
+    group_health,
     net,
     pasted_code,
     process_group,
@@ -167,6 +168,7 @@ def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> Telemet
     release.report_hook = _report_where
     agent.register("where", _where)
     agent.register("group", pasted_code.group_state)  # the cell destroyed the world group?
+    agent.register("health", group_health.health)  # checked after every cell
     install_memory_sampler(agent, device, _rank_gpus(RUNTIME.setup.spec))
     install_metrics(agent)
     install_step_timing(agent)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from nbdist.worker import flight_recorder, process_group
+from nbdist.worker import device_waits, flight_recorder, process_group
 from nbdist.worker.metrics import TIMING
 
 COLLECTIVES = (
@@ -81,6 +81,9 @@ class CollectiveTracker:
         self.main_thread_id = threading.main_thread().ident
         self.profiling = False  # a profile runs: each call is a named range in it
         self.history: deque[dict[str, Any]] = deque(maxlen=HISTORY)
+        # "p2p 0->1": tensors sent from global rank 0 to 1 (counted by both ends) in this
+        # generation; NCCL's sequence numbers count no point-to-point transfer
+        self.p2p: dict[str, int] = {}
         self._sequence: dict[str, int] = {}
         self._generation = 0.0
         self.reset_cell()
@@ -95,6 +98,8 @@ class CollectiveTracker:
 
     def wrap(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         group_at, async_at = _position(fn, "group"), _position(fn, "async_op")
+        peer = {"send": "dst", "recv": "src"}.get(name)
+        peer_at = _position(fn, peer) if peer else None
 
         @functools.wraps(fn)
         def tracked(*args: Any, **kwargs: Any) -> Any:
@@ -104,12 +109,18 @@ class CollectiveTracker:
             self.count += 1
             self.current = call = CollectiveCall(name, user_location(sys._getframe(1)), time.time())
             entry = self._remember(name, group, args, call.since)
+            if peer:
+                self._count_p2p(name, group, _argument(args, kwargs, peer, peer_at),
+                                kwargs.get(f"group_{peer}"))
             ticket = TIMING.before(name, group, _argument(args, kwargs, "async_op", async_at))
+            on_device = device_waits.start(_tensors(args)) if ticket is not None else None
             try:
                 with _profile_range(name, group) if self.profiling else contextlib.nullcontext():
                     result = fn(*args, **kwargs)
                 entry["completed"] = True
-                if ticket is not None:
+                if on_device is not None:  # NCCL returned at once: its wait is on the GPU
+                    device_waits.finish(ticket, name, on_device)
+                elif ticket is not None:
                     TIMING.after(ticket, name)
                 return result
             except BaseException as exc:
@@ -130,21 +141,19 @@ class CollectiveTracker:
                   since: float) -> dict[str, Any]:
         """Note the call as the flight recorder would (group, sequence id, input sizes), for
         `entries` where torch's recorder cannot be read."""
-        import torch
         import torch.distributed as dist
 
         if self._generation != process_group.GENERATION_STARTED:  # a new group counts from 1
             self._generation = process_group.GENERATION_STARTED
             self.history.clear()
             self._sequence.clear()
+            self.p2p.clear()
         label = "default group"
         with contextlib.suppress(Exception):  # a group being torn down: the default label
             if group is not None and group is not dist.group.WORLD:
                 label = f"group (ranks {', '.join(map(str, dist.get_process_group_ranks(group)))})"
         seq = self._sequence[label] = self._sequence.get(label, 0) + 1
-        tensors = [a for a in args if isinstance(a, torch.Tensor)] or [
-            t for a in args if isinstance(a, list | tuple)
-            for t in a if isinstance(t, torch.Tensor)]
+        tensors = _tensors(args)
         entry = {"group": label, "seq": seq, "op": name, "since": since, "completed": False,
                  "sizes": tuple(tuple(t.shape) for t in tensors),
                  # the recorder's (c10's) dtype names: "torch.FloatTensor" -> "Float"
@@ -152,6 +161,17 @@ class CollectiveTracker:
                                  for t in tensors)}
         self.history.append(entry)
         return entry
+
+    def _count_p2p(self, name: str, group: Any, peer: int | None, group_peer: int | None) -> None:
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):  # an invalid peer: torch's own call raises for it
+            if peer is None and group_peer is not None:
+                peer = dist.get_global_rank(group, group_peer)
+            me = dist.get_rank()
+            source = me if name == "send" else ("*" if peer is None else peer)
+            key = f"p2p {source}->{peer if name == 'send' else me}"
+            self.p2p[key] = self.p2p.get(key, 0) + 1
 
     def entries(self) -> list[flight_recorder.EnteredCollective]:
         """The collectives this rank's main thread called in the current group, oldest first."""
@@ -195,6 +215,14 @@ class CollectiveTracker:
         self.failed_in = CollectiveCall(name, cell_line, time.time())
         self.group_broken = True
         _release_broken_group(exc)
+
+
+def _tensors(args: tuple[Any, ...]) -> list[Any]:
+    """A collective's tensors: its tensor arguments, else those of its list arguments."""
+    import torch
+
+    return [a for a in args if isinstance(a, torch.Tensor)] or [
+        t for a in args if isinstance(a, list | tuple) for t in a if isinstance(t, torch.Tensor)]
 
 
 def _profile_range(name: str, group: Any) -> Any:

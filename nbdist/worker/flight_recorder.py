@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist import torch_support
+from nbdist.strategies._common import RANK_DEVICE_VAR
 from nbdist.worker import process_group
 
 IN_FLIGHT_POLL = 0.005  # seconds between two looks at the collectives a rank left in flight
@@ -52,10 +53,38 @@ def available() -> bool:
 
 
 def _dump(with_entries: bool, stacks: bool = False) -> dict[str, Any]:
+    """gloo's record (torch's generic recorder), and where this rank runs NCCL, NCCL's own (a
+    recorder apart, of CUDA events: `_dump_nccl_trace`), its entries and groups keyed apart."""
     from torch._C import _distributed_c10d as c10d
 
-    return pickle.loads(c10d._dump_fr_trace(includeCollectives=with_entries,
-                                            includeStackTraces=stacks, onlyActive=False))
+    trace = pickle.loads(c10d._dump_fr_trace(includeCollectives=with_entries,
+                                             includeStackTraces=stacks, onlyActive=False))
+    nccl = _nccl_dump(with_entries, stacks)
+    if nccl is not None:
+        trace.setdefault("entries", []).extend(
+            {**e, "backend": "nccl"} for e in nccl.get("entries", []))
+        trace["pg_status"] = {**{f"{name}{GLOO_HALF}": status for name, status
+                                 in trace.get("pg_status", {}).items()},
+                              **nccl.get("pg_status", {})}
+    return trace
+
+
+GLOO_HALF = " (CPU tensors)"  # an NCCL rank's gloo-recorded collectives: a sequence of their own
+
+
+def _nccl_dump(with_entries: bool, stacks: bool) -> dict[str, Any] | None:
+    """NCCL's record, read under the rank's own device: its event queries from this thread
+    must not make a CUDA context on another GPU."""
+    from torch._C import _distributed_c10d as c10d
+
+    device = os.environ.get(RANK_DEVICE_VAR, "")
+    if not device.startswith("cuda") or not hasattr(c10d, "_dump_nccl_trace"):
+        return None
+    import torch
+
+    with torch.cuda.device(torch.device(device)):
+        return pickle.loads(c10d._dump_nccl_trace(includeCollectives=with_entries,
+                                                  includeStackTraces=stacks, onlyActive=False))
 
 
 def progress() -> dict[str, tuple[int, int]]:
@@ -84,42 +113,30 @@ def wait_for_in_flight(seconds: float) -> None:
 
 
 def entries() -> list[EnteredCollective]:
-    """Every collective the buffer holds for the current generation's groups, oldest first."""
+    """Every collective the buffer holds for the current generation's groups, oldest first
+    (point-to-point transfers left out: their sequence ids count per pair)."""
     names = _group_names()
     since_ns = process_group.GENERATION_STARTED * 1e9
     found = []
-    for e in _dump(True)["entries"]:
+    trace = _dump(True)
+    nccl = any(e.get("backend") == "nccl" for e in trace["entries"])
+    for e in trace["entries"]:
         if e["is_p2p"] or e["time_created_ns"] < since_ns:
             continue
         name, desc = e["process_group"]
-        label, ranks = names.get(name, (_label(name, desc, ()), ()))
+        label, ranks = names.get(name, (process_group.group_label(name, desc, ()), ()))
+        half = GLOO_HALF if nccl and e.get("backend") != "nccl" else ""
         found.append(EnteredCollective(
-            group=label, seq=e["collective_seq_id"], op=e["profiling_name"].split(":")[-1],
+            group=label + half, seq=e["collective_seq_id"], op=e["profiling_name"].split(":")[-1],
             sizes=tuple(map(tuple, e["input_sizes"])), dtypes=tuple(e["input_dtypes"]),
             completed=e["retired"] or e["state"] == "completed",
             since=e["time_created_ns"] / 1e9, ranks=ranks))
-    return found
+    return sorted(found, key=lambda entry: entry.since)  # two recorders' entries, merged
 
 
 def _group_names() -> dict[str, tuple[str, tuple[int, ...]]]:
     """torch's group name -> (how a person calls it, its global ranks)."""
-    from torch.distributed import distributed_c10d
-
-    world = distributed_c10d._world
-    default = world.default_pg
-    found = {}
-    for pg, name in list(world.pg_names.items()):
-        ranks = tuple(sorted(world.pg_group_ranks.get(pg, {})))
-        desc = "default_pg" if pg is default else str(getattr(pg, "group_desc", ""))
-        found[str(name)] = (_label(str(name), desc, ranks), ranks)
-    return found
-
-
-def _label(name: str, desc: str, ranks: tuple[int, ...]) -> str:
-    if desc == "default_pg":
-        return "default group"
-    listed = f" (ranks {', '.join(str(r) for r in ranks)})" if ranks else ""
-    return f"group {desc if desc and desc != 'undefined' else name}{listed}"
+    return {name: (label, ranks) for _pg, name, label, ranks, _backend in process_group.groups()}
 
 
 def latest(found: list[EnteredCollective]) -> list[EnteredCollective]:
@@ -166,9 +183,13 @@ WATCHER = Watcher()
 
 def analyser_trace(stacks: bool = True) -> bytes:
     """The rank's whole trace in the format torch.distributed.flight_recorder's analyser reads
-    (one file per rank); gloo leaves the groups' ranks out of it, so they are filled in here."""
+    (one file per rank; NCCL's record where the rank runs NCCL, which is what torch's own dump
+    holds); gloo leaves the groups' ranks out of it, so they are filled in here."""
+    from torch._C import _distributed_c10d as c10d
+
     torch_support.require("flight-recorder")
-    trace = _dump(True, stacks)
+    trace = _nccl_dump(True, stacks) or pickle.loads(c10d._dump_fr_trace(
+        includeCollectives=True, includeStackTraces=stacks, onlyActive=False))
     config = trace["pg_config"]
     config.pop("", None)
     for name, (label, ranks) in _group_names().items():

@@ -22,13 +22,18 @@ from nbdist.worker import release
 
 # so that a stuck collective is an error in the cell, not the end of the engine (docs/NCCL.md)
 NCCL_ENVIRONMENT: dict[str, str] = {
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",  # the next wait raises; torch's 3 ends the process
+    # the watchdog aborts a failed group's communicators and raises nowhere (the user's wait has
+    # returned long before; the group's next collective fails): nbdist reads the group's error
+    # state after each cell. torch's 3 ends the process
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "2",
     "TORCH_NCCL_ENABLE_MONITORING": "0",  # the interrupt ladder decides when an engine dies
     "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",  # the flight recorder's dump on a timeout or error
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",  # the cell sees the error 4 times this later
 }
 
-# the flight recorder's buffer size and dump prefix, each under its new and its older name
+# the flight recorder's buffer size and dump prefix under its new and its older name, both set:
+# torch 2.6-2.8 read only the older one, and 2.13's ProcessGroupNCCL still reads the older
+# buffer name alone when it decides whether to dump
 BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
 
@@ -43,6 +48,7 @@ torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
 def apply_environment(setup: Any) -> list[str]:
     """Set this rank's group environment; returns the notes the user should see."""
     faults = setup.config.faults
+    release.ABORT_TIMEOUT = faults.teardown_grace
     nccl, notes = nccl_environment(os.environ) if setup.spec.backend == "nccl" else ({}, [])
     buffer, buffer_notes = _user_wins(
         {BUFFER_VARIABLES: str(faults.flight_recorder_entries)}, os.environ, "FAULTS.md")
@@ -53,14 +59,14 @@ def apply_environment(setup: Any) -> list[str]:
 
 def _user_wins(wanted: Mapping[tuple[str, ...], str], current: Mapping[str, str],
                doc: str) -> tuple[dict[str, str], list[str]]:
-    """What to set (under its first name, where the user set none of its names), and a note per
-    value the user set otherwise."""
+    """What to set (under every one of its names, where the user set none of them), and a note
+    per value the user set otherwise."""
     to_set: dict[str, str] = {}
     notes: list[str] = []
     for names, value in wanted.items():
         theirs = next((name for name in names if name in current), None)
         if theirs is None:
-            to_set[names[0]] = value
+            to_set.update(dict.fromkeys(names, value))
         elif current[theirs].strip() != value:
             notes.append(f"{theirs}={current[theirs]} is yours and kept (nbdist would set "
                          f"{value}: see docs/{doc})")
@@ -85,7 +91,7 @@ def dump_environment(current: Mapping[str, str], rank: int,
         directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
         TEMPORARY_DUMPS.append(directory)
         atexit.register(remove_temporary_dumps)
-    return {DUMP_FILE_VARIABLES[0]: os.path.join(directory, "nccl_trace_rank_")}
+    return dict.fromkeys(DUMP_FILE_VARIABLES, os.path.join(directory, "nccl_trace_rank_"))
 
 
 TEMPORARY_DUMPS: list[str] = []  # a rank away from the notebook's machine: its own dump dirs
@@ -175,21 +181,45 @@ def torch_backend(backend: str) -> str:
 
 
 def sequence_numbers() -> dict[str, int]:
-    """Device type -> collectives this rank queued on the world group's backend for it: equal on
-    every rank between cells unless one queued a collective its peers never reached."""
+    """Collectives this rank queued per group and device backend ("cuda": the world group's
+    NCCL half, "cpu@group mesh_tp (ranks 0, 1)": a sub-group's gloo): equal on every member between
+    cells unless one queued a collective its peers never reached. Microseconds per group."""
     import torch
-    import torch.distributed as dist
 
     if not is_initialized():
         return {}
-    group = dist.group.WORLD
     found: dict[str, int] = {}
-    for device in dist.get_backend_config().split(","):
-        kind = device.split(":")[0].strip()
-        with contextlib.suppress(RuntimeError, ValueError):
-            found[kind] = int(group._get_backend(torch.device(kind))
-                              ._get_sequence_number_for_group())
+    for group, _name, label, _ranks, backend in groups():
+        for device in backend.split(","):
+            kind = device.split(":")[0].strip()
+            with contextlib.suppress(RuntimeError, ValueError):
+                number = int(group._get_backend(torch.device(kind))
+                             ._get_sequence_number_for_group())
+                found[kind if label == "default group" else f"{kind}@{label}"] = number
     return found
+
+
+def groups() -> list[tuple[Any, str, str, tuple[int, ...], str]]:
+    """Every process group of this generation: (group, torch's name for it, how a person calls
+    it, its global ranks, its backend string as `dist.get_backend` gives it)."""
+    from torch.distributed import distributed_c10d
+
+    world = distributed_c10d._world
+    default = world.default_pg
+    found = []
+    for pg, name in list(world.pg_names.items()):
+        ranks = tuple(sorted(world.pg_group_ranks.get(pg, {})))
+        desc = "default_pg" if pg is default else str(getattr(pg, "group_desc", ""))
+        backend = str(world.pg_backend_config.get(pg, ""))
+        found.append((pg, str(name), group_label(str(name), desc, ranks), ranks, backend))
+    return found
+
+
+def group_label(name: str, desc: str, ranks: tuple[int, ...]) -> str:
+    if desc == "default_pg":
+        return "default group"
+    listed = f" (ranks {', '.join(str(r) for r in ranks)})" if ranks else ""
+    return f"group {desc if desc and desc != 'undefined' else name}{listed}"
 
 
 def _tcp_store(master_addr: str, port: int, rank: int, world_size: int, timeout_s: float) -> Any:
@@ -222,7 +252,11 @@ def teardown() -> bool:
         return False
     nccl = release.uses_nccl(dist.get_backend())
     _drop_last_traceback()
-    release.release_now()  # NCCL's communicators aborted, then the sockets shut
+    if not release.release_now():  # NCCL's communicators aborted, then the sockets shut
+        raise RuntimeError(
+            f"NCCL's abort of this rank's communicators did not finish within "
+            f"{release.ABORT_TIMEOUT:g} s (NbdistConfig.teardown_grace): the GPU may still run "
+            "its collectives; %dist_restart (Cluster.restart()) starts fresh engines")
     if not nccl:
         with contextlib.suppress(Exception):  # a broken group can fail to abort cleanly
             distributed_c10d._abort_process_group()

@@ -5,10 +5,12 @@ two more signals are blocked in every thread but one that waits for them."""
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
 import signal
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 # fail the blocked collective (`release_now`); the group is broken afterwards, the notebook
@@ -25,6 +27,14 @@ _SIGNALS: set[int] = {RELEASE_SIGNAL, REPORT_SIGNAL}
 
 INSTALLED = False
 GROUP_SOCKETS: dict[int, str] = {}  # fd -> inode name, so a reused fd is never touched
+
+# seconds an NCCL abort may take (NbdistConfig.teardown_grace, set at set-up): torch's own waits
+# up to the group's timeout (1800 s on NCCL) for ncclCommAbort
+ABORT_TIMEOUT = 3.0
+
+# time.time() of nbdist's last abort of this rank's NCCL communicators: a sync the abort ended
+# (`x.item()` after the collective) returns whatever the buffer held, and raises nothing
+NCCL_ABORTED_AT = 0.0
 
 
 def install() -> None:
@@ -86,17 +96,46 @@ def uses_nccl(backend: str) -> bool:
     return any(part.split(":")[-1].strip() == "nccl" for part in str(backend).split(","))
 
 
-def release_now() -> None:
+def release_now() -> bool:
     """Make a collective blocked on this rank fail: NCCL's communicators aborted, then the groups'
-    sockets shut down (gloo's abort does not wake a waiting op)."""
+    sockets shut down (gloo's abort does not wake a waiting op). False if NCCL's abort did not
+    finish within `ABORT_TIMEOUT`."""
     import torch.distributed as dist
-    from torch.distributed import distributed_c10d
 
+    aborted = True
     with contextlib.suppress(Exception):
         if dist.is_initialized() and uses_nccl(dist.get_backend()):
             # aborted first: NCCL's proxy must not see its sockets fail under a live communicator
-            distributed_c10d._abort_process_group()
+            aborted = abort_nccl(ABORT_TIMEOUT)
     shutdown_group_sockets()
+    return aborted
+
+
+def abort_nccl(seconds: float) -> bool:
+    """Abort every group's NCCL communicators (torch's abort of the world aborts them all, within
+    one NCCL group call), waiting at most `seconds`. Each NCCL backend's timeout, which torch's
+    abort waits for, is cut to `seconds` first; the abort runs on a thread of its own, so a
+    communicator whose abort hangs costs that thread, not the caller."""
+    import torch
+    from torch.distributed import distributed_c10d
+
+    global NCCL_ABORTED_AT
+    NCCL_ABORTED_AT = time.time()
+    for group in list(distributed_c10d._world.pg_map):
+        with contextlib.suppress(Exception):  # no CUDA backend: nothing of it to abort
+            group._get_backend(torch.device("cuda")).set_timeout(
+                datetime.timedelta(seconds=seconds))
+    done = threading.Event()
+
+    def abort() -> None:
+        try:
+            with contextlib.suppress(Exception):  # a group already broken can fail to abort
+                distributed_c10d._abort_process_group()
+        finally:
+            done.set()
+
+    threading.Thread(target=abort, name="nbdist-nccl-abort", daemon=True).start()
+    return done.wait(seconds + 1.0)
 
 
 def shutdown_group_sockets() -> None:
