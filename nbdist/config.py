@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import re
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from nbdist.errors import NbdistError
-from nbdist.text import format_bytes
+from nbdist.text import format_bytes, parse_bytes
 
 
 @dataclass(frozen=True)
@@ -376,12 +375,6 @@ def check_seconds(value: Any, name: str, zero: bool = False) -> float:
 MIN_MEMORY_LIMIT = 64 * 2**20
 """Below this a rank has no room for its own bookkeeping (telemetry, messages, a thread's stack)."""
 
-_UNITS = {
-    "": 1, "b": 1,
-    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
-}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
 _EXAMPLES = "e.g. 512MiB, 1GiB, 2GB or a number of bytes"
 
 
@@ -392,14 +385,9 @@ def memory_limit_bytes(value: Any) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | str):
         raise NbdistError(f"--memory-limit {value!r}: give a size ({_EXAMPLES})")
-    if isinstance(value, int):
-        size = value
-    else:
-        match = _SIZE.match(value)
-        unit = match.group(2).lower() if match else ""
-        if match is None or unit not in _UNITS:
-            raise NbdistError(f"--memory-limit {value!r}: not a size ({_EXAMPLES})")
-        size = int(float(match.group(1)) * _UNITS[unit])
+    size = value if isinstance(value, int) else parse_bytes(value)
+    if size is None:
+        raise NbdistError(f"--memory-limit {value!r}: not a size ({_EXAMPLES})")
     if size < MIN_MEMORY_LIMIT:
         raise NbdistError(f"--memory-limit {value!r}: at least {format_bytes(MIN_MEMORY_LIMIT)} "
                           "(a rank needs room for its own telemetry and messages)")

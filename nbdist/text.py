@@ -1,5 +1,5 @@
-"""Plain-text formatting shared by every layer: one byte formatter, one table renderer, one
-log tail, and terminal colour codes taken out."""
+"""Plain-text formatting shared by every layer: one byte formatter and its parser, one table
+renderer, one log tail, and terminal colour codes taken out."""
 
 from __future__ import annotations
 
@@ -26,6 +26,24 @@ def format_bytes(value: float | None) -> str:
             digits = 2 if abs(scaled) < 10 else 1 if abs(scaled) < 100 else 0
             return f"{scaled:.{digits}f} {unit}"
     return f"{value:.0f} B"
+
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int | None:
+    """``"1GiB"`` -> 1073741824: a size with a unit (KiB/MiB/GiB/TiB = 1024ⁿ, kB/MB/GB/TB =
+    1000ⁿ, none = bytes) as whole bytes; None when `text` is not such a size."""
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        return None
+    return int(float(match.group(1)) * _UNITS[unit])
 
 
 def render_table(header: Sequence[str], rows: Sequence[Sequence[object]], *,
