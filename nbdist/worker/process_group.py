@@ -31,11 +31,20 @@ NCCL_ENVIRONMENT: dict[str, str] = {
     "TORCH_NCCL_WAIT_TIMEOUT_DUMP_MILSEC": "2000",  # the cell sees the error 4 times this later
 }
 
-# the flight recorder's buffer size and dump prefix under its new and its older name, both set:
-# torch 2.6-2.8 read only the older one, and 2.13's ProcessGroupNCCL still reads the older
-# buffer name alone when it decides whether to dump
+# the flight recorder's buffer size and dump prefix under its new and its older name; a user's
+# value under either wins. torch 2.6-2.8 read only the older names, so there nbdist sets both;
+# later releases read the older name as a fallback and warn that it is deprecated whenever it is
+# set (c10d getCvarInt), so there only the new one is set
 BUFFER_VARIABLES = ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE")
 DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FILE")
+
+
+def flight_recorder_names(names: tuple[str, str]) -> tuple[str, ...]:
+    """The names of a flight-recorder variable the running torch needs set."""
+    import torch
+
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    return names if release < (2, 9) else names[:1]
 
 # some torch releases crash building a DDP model under TORCH_DISTRIBUTED_DEBUG=DETAIL
 DDP_PROBE = """
@@ -52,6 +61,8 @@ def apply_environment(setup: Any) -> list[str]:
     nccl, notes = nccl_environment(os.environ) if setup.spec.backend == "nccl" else ({}, [])
     buffer, buffer_notes = _user_wins(
         {BUFFER_VARIABLES: str(faults.flight_recorder_entries)}, os.environ, "FAULTS.md")
+    buffer = {name: value for name, value in buffer.items()
+              if name in flight_recorder_names(BUFFER_VARIABLES)}
     os.environ.update({**nccl, **buffer,
                        **dump_environment(os.environ, setup.spec.rank, setup.private_dir)})
     return notes + buffer_notes + check_collectives(faults.check_collectives)
@@ -91,7 +102,8 @@ def dump_environment(current: Mapping[str, str], rank: int,
         directory = tempfile.mkdtemp(prefix="nbdist-flight-recorder-")  # 0700
         TEMPORARY_DUMPS.append(directory)
         atexit.register(remove_temporary_dumps)
-    return dict.fromkeys(DUMP_FILE_VARIABLES, os.path.join(directory, "nccl_trace_rank_"))
+    return dict.fromkeys(flight_recorder_names(DUMP_FILE_VARIABLES),
+                         os.path.join(directory, "nccl_trace_rank_"))
 
 
 TEMPORARY_DUMPS: list[str] = []  # a rank away from the notebook's machine: its own dump dirs
