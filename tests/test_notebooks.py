@@ -76,6 +76,7 @@ def test_every_tutorial_is_here() -> None:
         "05_deepspeed", "06_memory_anatomy", "07_tensor_parallel", "08_pipeline_parallel",
         "09_rpc_parameter_server", "10_when_things_go_wrong", "11_notebook_to_script",
         "12_multi_node_slurm", "13_memory_savers", "15_bring_your_own_code",
+        "16_data_and_evaluation", "17_2d_parallel",
     }
     assert expected <= names, f"missing: {sorted(expected - names)}"
 
