@@ -11,10 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.config import InternalConfig, TelemetryConfig
+from nbdist.protocol.wire import TELEMETRY_KEY
 
 Provider = Callable[[], Any]
-
-TELEMETRY_KEY = "nbdist"
 
 # the least spacing of payloads prompted by log(): a fast loop's records go out in batches
 LOG_SPACING = InternalConfig.telemetry_log_spacing

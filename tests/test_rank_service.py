@@ -1,0 +1,143 @@
+"""The rank service with real engines: commands by name only, answered on the service's own
+thread while a cell runs or pdb waits; the protocol version compared at set-up; `%dist_env`."""
+
+from __future__ import annotations
+
+import builtins
+import time
+from typing import Any
+
+import pytest
+
+from nbdist import Cluster
+from nbdist.errors import ClusterStartError, NbdistError
+from tests.sinks import RecordingSink
+
+
+def test_a_rank_refuses_a_command_it_does_not_have_and_names_it(cluster2) -> None:
+    refused = cluster2.call("undo.snapshot", ranks=[0], timeout=30)
+    assert not refused.results
+    assert "no command 'undo.snapshot'" in refused.failures[0], refused.failures
+    assert "env.collect" in refused.failures[0]  # and says what it has
+    with pytest.raises(NbdistError, match="sleep is not a rank command"):
+        cluster2.call(time.sleep, 0.1)  # a function is no command: it never reaches a rank
+
+
+class _AskingSink(RecordingSink):
+    """At rank 1's first line (its cell then sleeps 4 s), asks rank 1 for its environment and
+    notes how long the answer took."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        super().__init__()
+        self.cluster = cluster
+        self.answer: Any = None
+        self.seconds = 0.0
+
+    def on_stream(self, rank: int, name: str, text: str) -> None:
+        super().on_stream(rank, name, text)
+        if rank == 1 and self.answer is None:
+            started = time.perf_counter()
+            self.answer = self.cluster.call("env.collect", ranks=[1], timeout=3)
+            self.seconds = time.perf_counter() - started
+
+
+def test_the_service_answers_while_the_ranks_main_thread_runs_a_cell(cluster2) -> None:
+    sink = _AskingSink(cluster2)
+    code = "import time\nif rank == 1:\n    print('busy', flush=True)\n    time.sleep(4)\n"
+    result = cluster2.run(code, sink=sink, timeout=60).raise_for_errors()
+    assert sink.answer is not None and 1 in sink.answer.results, sink.answer.failures
+    assert sink.seconds < 3 and result.elapsed > 3.5  # answered before the cell ended
+
+
+def test_the_service_answers_while_the_rank_waits_in_pdb(cluster2, monkeypatch) -> None:
+    answers: list[Any] = []
+
+    def ask(prompt: str) -> str:  # the person at the prompt, meanwhile asking the rank
+        answers.append(cluster2.call("env.collect", ranks=[1], timeout=5))
+        return "c"
+
+    monkeypatch.setattr(builtins, "input", ask)
+    stopped = cluster2.run("breakpoint()\n'resumed'", ranks=[1], timeout=60)
+    assert stopped.raise_for_errors().value_text(1) == "'resumed'"
+    assert answers and 1 in answers[0].results, answers[0].failures
+    assert answers[0].results[1].pid == cluster2.ranks[1].pid
+
+
+def test_the_service_thread_is_marked_for_debuggers_to_skip(cluster2) -> None:
+    probe = ("import threading\n"
+             "[(t.pydev_do_not_trace, t.is_pydev_daemon_thread) for t in threading.enumerate() "
+             "if t.name == 'nbdist-rank-service']")
+    assert cluster2.run(probe, ranks=[0], timeout=30).value_text(0) == "[(True, True)]"
+
+
+def test_env_marks_the_variable_one_rank_changed(cluster2) -> None:
+    cluster2.run("import os\nos.environ['NBDIST_TEST_KNOB'] = 'changed'", ranks=[1],
+                 timeout=30).raise_for_errors()
+    try:
+        table = cluster2.env()
+        assert [env.rank for env in table.ranks] == [0, 1]
+        assert table.differing == ["NBDIST_TEST_KNOB"]
+        header, rows = table.rows()
+        column = header.index("NBDIST_TEST_KNOB")
+        assert [row[column] for row in rows] == [("(unset)", True), ("changed", True)]
+        assert "changed*" in str(table) and "background:#ffe08a" in table._repr_html_()
+        assert table.ranks[0].torch == table.ranks[1].torch != ""
+    finally:
+        cluster2.run("os.environ.pop('NBDIST_TEST_KNOB', None)", ranks=[1], timeout=30)
+
+
+def test_a_rank_that_speaks_another_protocol_is_one_clear_line(cluster2) -> None:
+    """As a host with another nbdist would answer the probe: both versions named, one line."""
+    from nbdist.cluster import rank_setup
+
+    cluster2.run("import nbdist.worker.bootstrap as b\nb.PROTOCOL = 998", ranks=[1],
+                 timeout=30).raise_for_errors()
+    try:
+        engines = [p.spec.engine_id for p in cluster2.ranks]
+        with pytest.raises(ClusterStartError) as raised:
+            rank_setup.probe(cluster2.client, engines, 60)
+        message = str(raised.value)
+        assert "\n" not in message and "protocol 998" in message and "protocol 1 " in message
+        assert f"engine {engines[1]}" in message, message
+    finally:
+        cluster2.run("b.PROTOCOL = __import__('nbdist.protocol').protocol.VERSION", ranks=[1],
+                     timeout=30).raise_for_errors()
+
+
+def test_a_notebook_that_speaks_another_protocol_starts_nothing(monkeypatch) -> None:
+    import psutil
+
+    from nbdist.protocol import wire
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    monkeypatch.setattr(wire, "VERSION", 997)  # this notebook's; the ranks keep theirs
+    with pytest.raises(ClusterStartError, match=r"speaks nbdist protocol 1 .*this notebook "
+                                                r"protocol 997") as raised:
+        Cluster(n=1, threads=1).start()
+    assert "\n" not in str(raised.value)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:  # everything the failed start began is stopped
+        left = {p.pid for p in psutil.Process().children(recursive=True)} - before
+        if not left:
+            break
+        time.sleep(0.2)
+    assert not left, f"processes left by the failed start: {sorted(left)}"
+
+
+def test_dist_env_in_a_real_kernel(real_kernel) -> None:
+    """The magic's table as a notebook shows it: HTML with the changed variable's cells marked."""
+    results: list[dict] = []
+
+    def keep(msg: dict) -> None:
+        if msg["msg_type"] == "execute_result":
+            results.append(msg["content"]["data"])
+
+    assert real_kernel.run("%load_ext nbdist\n%dist_start -n 2")["status"] == "ok"
+    assert real_kernel.run("%%distributed --ranks 1\nimport os\n"
+                           "os.environ['NBDIST_TEST_KNOB'] = 'changed'")["status"] == "ok"
+    assert real_kernel.run("%dist_env", output_hook=keep)["status"] == "ok"
+    html, text = results[-1]["text/html"], results[-1]["text/plain"]
+    assert "NBDIST_TEST_KNOB" in html and html.count("background:#ffe08a") == 2, html
+    assert "changed*" in text and "(unset)*" in text, text
+    reply = real_kernel.run("%dist_env --ranks 7")
+    assert reply["status"] == "error" and "[7] do not exist" in reply["evalue"], reply
