@@ -141,3 +141,29 @@ def test_dist_env_in_a_real_kernel(real_kernel) -> None:
     assert "changed*" in text and "(unset)*" in text, text
     reply = real_kernel.run("%dist_env --ranks 7")
     assert reply["status"] == "error" and "[7] do not exist" in reply["evalue"], reply
+
+
+def test_a_request_the_rank_cannot_read_is_answered_with_why(cluster2) -> None:
+    """Signed, but of a type this rank does not speak: whoever waits hears why at once."""
+    channel = cluster2.channel()
+    token = channel.new_token()
+    channel.send(0, cluster2.ranks[0].endpoint, "nbdist_undo", {"token": token})
+    channel.hold()
+    try:
+        started = time.perf_counter()
+        answered = channel._answers(token, {0}, 20)
+    finally:
+        channel.release()
+    assert "unknown message type 'nbdist_undo'" in answered.failures[0], answered.failures
+    assert time.perf_counter() - started < 10  # not the deadline
+
+
+def test_a_message_the_notebook_cannot_read_is_said_not_dropped(cluster2) -> None:
+    sink = RecordingSink()
+    code = ("from nbdist.worker import cell_channel as c\n"
+            "c.SERVER.session.send(c.SERVER, 'nbdist_bogus', content={}, ident=c.SERVER.idents)\n"
+            "print('after', flush=True)\n")
+    cluster2.run(code, ranks=[0], sink=sink, timeout=30).raise_for_errors()
+    said = [s for s in sink.statuses if "nbdist_bogus" in s]
+    assert said and said[0].startswith("nbdist: rank 0: the notebook could not read"), said
+    assert sink.text(0, "stdout") == "after\n"

@@ -30,26 +30,27 @@ class Message:
     VALUE: ClassVar[str | None] = None
 
     def to_wire(self) -> tuple[str, dict[str, Any], list[Any]]:
-        plain, _optional = _FIELDS[type(self)]
-        content = {name: getattr(self, name) for name in plain}
+        required, optional = _FIELDS[type(self)]
+        content = {name: getattr(self, name) for name in (*required, *optional)}
         return self.TAG, content, pack(getattr(self, self.VALUE)) if self.VALUE else []
 
     @classmethod
     def from_wire(cls, content: dict[str, Any], buffers: list[Any], device: Any = None) -> Any:
-        plain, optional = _FIELDS[cls]
-        try:
-            kwargs = {name: content[name] for name in plain if name not in optional}
+        required, optional = _FIELDS[cls]
+        try:  # the fields without a default come first in a dataclass: by position
+            args = [content[name] for name in required]
         except KeyError as exc:
             raise ProtocolError(f"a {cls.TAG} message without its {exc.args[0]!r}") from None
-        kwargs.update({name: content[name] for name in optional if name in content})
+        kwargs = {name: content[name] for name in optional if name in content}
         if cls.VALUE:
             kwargs[cls.VALUE] = unpack(buffers, device)
-        return cls(**kwargs)
+        return cls(*args, **kwargs)
 
 
 M = TypeVar("M", bound=type[Message])
 _TYPES: dict[str, type[Message]] = {}
-_FIELDS: dict[type[Message], tuple[tuple[str, ...], frozenset[str]]] = {}
+_FIELDS: dict[type[Message], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+"""Per class: its plain fields without a default, then those with one."""
 
 
 def message(*tags: str) -> Callable[[M], M]:
@@ -58,8 +59,8 @@ def message(*tags: str) -> Callable[[M], M]:
     def register(cls: M) -> M:
         fields = [f for f in dataclasses.fields(cls) if f.name != cls.VALUE]
         no_default = (dataclasses.MISSING, dataclasses.MISSING)
-        _FIELDS[cls] = (tuple(f.name for f in fields), frozenset(
-            f.name for f in fields if (f.default, f.default_factory) != no_default))
+        required = tuple(f.name for f in fields if (f.default, f.default_factory) == no_default)
+        _FIELDS[cls] = (required, tuple(f.name for f in fields if f.name not in required))
         for tag in (cls.TAG, *tags):
             _TYPES[tag] = cls
         return cls

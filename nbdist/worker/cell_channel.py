@@ -132,7 +132,11 @@ class CellServer:
                         frames = self.requests.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    self._receive(frames)
+                    try:
+                        self._receive(frames)
+                    except Exception as exc:  # the service must outlive one bad request
+                        print(f"nbdist: rank {self.rank}'s service failed on a request: {exc!r}",
+                              file=sys.__stderr__)
         finally:
             self.requests.close(linger=0)
             woken.close(linger=0)
