@@ -167,3 +167,21 @@ def test_a_message_the_notebook_cannot_read_is_said_not_dropped(cluster2) -> Non
     said = [s for s in sink.statuses if "nbdist_bogus" in s]
     assert said and said[0].startswith("nbdist: rank 0: the notebook could not read"), said
     assert sink.text(0, "stdout") == "after\n"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="needs a CUDA GPU")
+def test_env_names_cuda_and_nccl_on_gpu_ranks(fast_config) -> None:
+    """What a CPU build leaves empty: each rank's CUDA and NCCL versions and its GPUs, read on the
+    service thread (whose CUDA context is not the main thread's)."""
+    import torch
+
+    with Cluster(config=fast_config) as cluster:
+        table = cluster.env()
+        nccl = ".".join(map(str, torch.cuda.nccl.version()))
+        assert len(table.ranks) == torch.cuda.device_count(), table.failures
+        for env in table.ranks:
+            assert env.cuda == torch.version.cuda and env.nccl == nccl, env
+            count = int(env.devices.split(" GPU(s)")[0])  # as the rank sees them
+            assert 1 <= count <= torch.cuda.device_count(), env
+        assert "cuda" not in table.differing and "nccl" not in table.differing
