@@ -17,7 +17,9 @@ from nbdist.protocol.wire import (
     Error,
     Prompt,
     ProtocolError,
+    PublishedData,
     Stream,
+    Telemetry,
     decode,
 )
 
@@ -26,6 +28,7 @@ MESSAGES = [
     Stream("stdout", "hi\n"), Error("ValueError", "boom", ["line"]), Prompt("> x", "7-1", "(pdb) "),
     CellDone("error", "KeyboardInterrupt", interrupted=True),
     CallReply(value={"x": [1, 2]}), CallReply(["UnknownCommand", "no such", ""]),
+    Telemetry({"nbdist": {"rank": 1, "memory": {"peak": 3}}}), PublishedData({"loss": 0.5}),
 ]
 
 

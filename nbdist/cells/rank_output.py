@@ -19,6 +19,7 @@ from nbdist.protocol.wire import (
     Message,
     Prompt,
     ProtocolError,
+    PublishedData,
     Result,
     Stream,
     Telemetry,
@@ -72,9 +73,9 @@ def _error(body: Error, out: RankOutput) -> None:
     out.error = remote_error(body)
 
 
-def _telemetry(body: Telemetry, out: RankOutput) -> Telemetry | None:
+def _telemetry(body: Telemetry | PublishedData, out: RankOutput) -> Telemetry | None:
     out.data.update(body.data)
-    return body if body.data.get(TELEMETRY_KEY) is not None else None
+    return body if isinstance(body, Telemetry) and TELEMETRY_KEY in body.data else None
 
 
 def _done(body: CellDone, out: RankOutput) -> CellDone:
@@ -91,8 +92,8 @@ def _malformed(body: Malformed, out: RankOutput) -> Malformed:
 
 _READERS: dict[type, Callable[[Any, RankOutput], Any]] = {
     Stream: _stream, Display: _display, Result: _result, Error: _error, Telemetry: _telemetry,
-    CellDone: _done, Prompt: lambda body, _out: body, Malformed: _malformed,
-    Unrendered: lambda _body, _out: None,
+    PublishedData: _telemetry, CellDone: _done, Prompt: lambda body, _out: body,
+    Malformed: _malformed, Unrendered: lambda _body, _out: None,
 }
 
 

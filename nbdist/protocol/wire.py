@@ -169,7 +169,18 @@ class Error(Message):
 @message()
 @dataclass(frozen=True, slots=True)
 class Telemetry(Message):
-    """What a rank publishes as data (`shell.data_pub`; its telemetry under TELEMETRY_KEY)."""
+    """A rank's telemetry (`worker/agent.py`), sent straight from the thread that made it:
+    `data` holds the payload under TELEMETRY_KEY."""
+
+    TAG: ClassVar[str] = "nbdist_telemetry"
+    VALUE: ClassVar[str | None] = "data"
+    data: dict[str, Any]
+
+
+@message()
+@dataclass(frozen=True, slots=True)
+class PublishedData(Message):
+    """What a cell published itself with ipykernel's `publish_data` (IOPub's data_message)."""
 
     TAG: ClassVar[str] = "data_message"
     data: dict[str, Any]
@@ -181,7 +192,7 @@ class Telemetry(Message):
 
     @classmethod
     def from_wire(cls, content: dict[str, Any], buffers: list[Any], device: Any = None) -> Any:
-        # published through ipykernel's data_pub, which encodes with ipyparallel's serializer
+        # ipykernel's data_pub encodes with ipyparallel's serializer
         from ipyparallel.serialize import deserialize_object
 
         return cls(deserialize_object(buffers)[0])

@@ -1,5 +1,5 @@
 """The rank's telemetry thread: what its providers report (``"memory"``, ``"where"``...; None:
-nothing new) goes out as a ``data_message`` under ``"nbdist"``, attributed to the running cell."""
+nothing new) goes out as a `Telemetry` message, attributed to the running cell."""
 
 from __future__ import annotations
 

@@ -26,7 +26,7 @@ from nbdist.worker import (
 )
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.cell_channel import open_channel
+from nbdist.worker.cell_channel import open_channel, send_telemetry
 from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
 from nbdist.worker.rank_service import command, load_command_modules
@@ -183,7 +183,7 @@ def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> Telemet
     if RUNTIME.agent is not None:  # a previous setup's
         RUNTIME.agent.stop()
     agent = TelemetryAgent(
-        rank, config.telemetry.telemetry_interval, shell.data_pub.publish_data,
+        rank, config.telemetry.telemetry_interval, send_telemetry,
         log_spacing=config.internal.telemetry_log_spacing,
         start_delay=config.internal.telemetry_start_delay,
         collective_interval=config.telemetry.collective_report_interval)

@@ -27,6 +27,7 @@ from nbdist.protocol.wire import (
     Comm,
     Message,
     ProtocolError,
+    Telemetry,
     decode,
 )
 from nbdist.worker import orphan_guard
@@ -319,6 +320,14 @@ def _failed(exc: BaseException) -> CellDone:
 
 
 SERVER: CellServer | None = None  # this engine's, once a setup opened it
+
+
+def send_telemetry(data: dict[str, Any]) -> None:
+    """The telemetry agent's publish, from any thread: under the running cell's token (between
+    cells the notebook drops it)."""
+    server = SERVER
+    if server is not None:
+        server.send(Telemetry(data))
 
 
 def open_channel(rank: int, setup: ChannelSetup, orphan_grace: float) -> ChannelEndpoint:
