@@ -185,3 +185,32 @@ def test_env_names_cuda_and_nccl_on_gpu_ranks(fast_config) -> None:
             count = int(env.devices.split(" GPU(s)")[0])  # as the rank sees them
             assert 1 <= count <= torch.cuda.device_count(), env
         assert "cuda" not in table.differing and "nccl" not in table.differing
+
+
+def test_an_unsigned_or_wrongly_signed_call_is_refused(cluster2, tmp_path) -> None:
+    """The rank service's socket checks the cluster's key as the cell socket does: a forged call
+    to a registered command (here one that writes a file) runs nothing."""
+    import zmq
+    from jupyter_client.session import Session
+
+    from nbdist.protocol.wire import Call
+
+    marker = tmp_path / "ran"
+    cluster2.run("from nbdist.worker.rank_service import command\n"
+                 "command('test.touch')(lambda path: open(path, 'w').write('x'))",
+                 ranks=[0], timeout=30).raise_for_errors()
+    tag, content, buffers = Call("forged", "test.touch", (str(marker),)).to_wire()
+    context = zmq.Context()
+    try:
+        for key in (b"", b"not the cluster key"):
+            dealer = context.socket(zmq.DEALER)
+            dealer.linger = 0
+            dealer.connect(cluster2.ranks[0].endpoint.service_address)
+            Session(key=key).send(dealer, tag, content=content, buffers=buffers)
+            dealer.close()
+        time.sleep(0.5)
+        assert not marker.exists()
+        signed = cluster2.call("test.touch", str(marker), ranks=[0], timeout=30)
+        assert 0 in signed.results and marker.exists(), signed.failures  # the real one runs
+    finally:
+        context.term()

@@ -71,7 +71,7 @@ class NotebookChannel:
         self._aside: list[ChannelMessage] = []  # a running cell's, read by a call it made
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
         self.on_comm: Any = None  # a rank's widget messages go to it (cells.widgets.WidgetRelay)
-        self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
+        self._dealers: dict[tuple[int, bool], tuple[ChannelEndpoint, Any]] = {}
         self._send_lock = threading.Lock()  # the main thread, and a widget's twin from any thread
         self._tokens = itertools.count(1)
         self._prefix = f"{os.getpid()}-{id(self):x}"
@@ -99,14 +99,15 @@ class NotebookChannel:
         self.send(rank, endpoint, *message.to_wire())
 
     def send(self, rank: int, endpoint: ChannelEndpoint, msg_type: str, content: dict[str, Any],
-             buffers: list[Any] | None = None) -> None:
-        """Encoded already: a protocol message's wire form, or a widget's comm message."""
+             buffers: list[Any] | None = None, service: bool = False) -> None:
+        """Encoded already: a protocol message's wire form, or a widget's comm message; a call
+        (`service`) to the rank service's own socket."""
         with self._send_lock:
-            self.session.send(self._dealer(rank, endpoint), msg_type, content=content,
+            self.session.send(self._dealer(rank, endpoint, service), msg_type, content=content,
                               buffers=buffers)
 
-    def _dealer(self, rank: int, endpoint: ChannelEndpoint) -> Any:
-        known = self._dealers.get(rank)
+    def _dealer(self, rank: int, endpoint: ChannelEndpoint, service: bool) -> Any:
+        known = self._dealers.get((rank, service))
         if known is not None and known[0] == endpoint:
             return known[1]
         if known is not None:
@@ -117,8 +118,9 @@ class NotebookChannel:
         if endpoint.public_key is not None:
             dealer.curve_publickey, dealer.curve_secretkey = self.public_key, self._secret_key
             dealer.curve_serverkey = endpoint.public_key
-        dealer.connect(endpoint.address)
-        self._dealers[rank] = (endpoint, dealer)
+        dealer.connect(endpoint.service_address if service and endpoint.service_address
+                       else endpoint.address)
+        self._dealers[rank, service] = (endpoint, dealer)
         return dealer
 
     def call(self, ranks: Sequence[RankProcess], command: str, args: tuple[Any, ...],
@@ -135,7 +137,7 @@ class NotebookChannel:
         token = self.new_token()
         wire = Call(token, command, tuple(args)).to_wire()
         for rank, endpoint in endpoints.items():
-            self.send(rank, endpoint, *wire)
+            self.send(rank, endpoint, *wire, service=True)
         try:
             self.hold()
             return self._answers(token, set(endpoints), timeout)

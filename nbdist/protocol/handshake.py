@@ -26,8 +26,9 @@ class ChannelSetup:
 class ChannelEndpoint:
     """Where a rank takes requests, as its setup reports it."""
 
-    address: str  # "tcp://HOST:PORT" of the rank's ROUTER
+    address: str  # "tcp://HOST:PORT" of the rank's ROUTER for cells, pdb answers, widgets
     public_key: bytes | None = None  # its CurveZMQ public key (None: not encrypted)
+    service_address: str | None = None  # its rank service's ROUTER, for calls (None: `address`)
 
 
 @dataclass(frozen=True, slots=True)

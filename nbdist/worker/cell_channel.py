@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import queue
 import signal
 import sys
 import threading
@@ -36,7 +35,7 @@ from nbdist.worker.rank_service import UnknownCommand, lookup, no_tracing, untra
 __all__ = ["CellServer", "ChannelEndpoint", "ChannelSetup", "open_channel"]
 
 NO_CELL = b""  # the token of a message sent while no cell runs (a widget's)
-ANSWER_POLL = 1.0  # seconds of one wait for a pdb answer (a SIGINT ends it)
+ANSWER_POLL_MS = 1000  # one wait for a pdb answer (a SIGINT ends it)
 STOP_TIMEOUT = 5.0  # seconds for the service thread to stop
 
 
@@ -46,6 +45,7 @@ class CellServer:
         from IPython import get_ipython
         from jupyter_client.session import Session
         from tornado.ioloop import IOLoop
+        from zmq.eventloop.zmqstream import ZMQStream
 
         self.shell = get_ipython()
         kernel = self.shell.kernel.session
@@ -55,17 +55,19 @@ class CellServer:
         self.setup = setup
         context = zmq.Context.instance()
         public, secret = zmq.curve_keypair() if setup.notebook_key else (None, None)
-        self.requests = context.socket(zmq.ROUTER)  # the service thread's alone, once started
+        self.requests = context.socket(zmq.ROUTER)  # cells, pdb answers, widgets: main thread
+        self.calls = context.socket(zmq.ROUTER)  # the rank service's: its thread's alone
         self.out = context.socket(zmq.PUSH)
-        for socket in (self.requests, self.out):
+        for socket in (self.requests, self.calls, self.out):
             socket.linger = 0
             if secret is not None:
                 socket.curve_publickey, socket.curve_secretkey = public, secret
         if secret is not None:
-            self.requests.curve_server = True
+            self.requests.curve_server = self.calls.curve_server = True
             self.out.curve_serverkey = setup.notebook_key
-        port = self.requests.bind_to_random_port(f"tcp://{setup.bind_host}")
-        self.endpoint = ChannelEndpoint(f"tcp://{setup.bind_host}:{port}", public)
+        where = f"tcp://{setup.bind_host}"
+        self.endpoint = ChannelEndpoint(f"{where}:{self.requests.bind_to_random_port(where)}",
+                                        public, f"{where}:{self.calls.bind_to_random_port(where)}")
         self.out.sndhwm = 100_000
         if setup.notebook_process is not None:  # watched from before its first connection
             orphan_guard.guard(self.out, setup.notebook_process, orphan_grace)
@@ -74,7 +76,8 @@ class CellServer:
         self.loop = IOLoop.current()
         self.idents: list[bytes] | None = None  # the running cell's token and rank
         self.waiting: list[Any] = []  # cells and calls that came while an await cell ran
-        self.answers: queue.SimpleQueue[Answer] = queue.SimpleQueue()  # for a stopped pdb
+        self.stream = ZMQStream(self.requests, self.loop)
+        self.stream.on_recv(lambda frames: self._on_request(self._parse(frames)), copy=False)
         self._wake = context.socket(zmq.PAIR)
         wake_address = f"inproc://nbdist-rank-service-{id(self):x}"
         self._wake.bind(wake_address)
@@ -88,6 +91,7 @@ class CellServer:
 
     def close(self) -> None:
         ipp_compat.restore_iopub(self.iopub)
+        self.stream.close(linger=0)
         self._wake.send(b"stop")
         self.service.join(STOP_TIMEOUT)
         self._wake.close(linger=0)
@@ -116,58 +120,45 @@ class CellServer:
                       str(self.rank).encode()]
         self.session.send(self, tag, content=content, buffers=buffers, ident=idents)
 
+    def _parse(self, frames: list[Any]) -> dict[str, Any] | None:
+        try:  # zmq Frames: a pushed tensor is not copied
+            _idents, msg_list = self.session.feed_identities(frames, copy=False)
+            return self.session.deserialize(msg_list, copy=False)
+        except Exception as exc:  # unsigned or malformed: not from this cluster's notebook
+            print(f"nbdist: refused a request on the cell channel: {exc}", file=sys.__stderr__)
+            return None
+
     # ------------------------------------------------------------ the service thread
     def _serve(self, woken: Any) -> None:
-        """Reads every request: answers service commands here, hands pdb answers to the waiting
-        pdb and the rest (cells, main-thread commands, widget messages) to the engine's loop."""
+        """Reads the calls: answers service commands here, hands main-thread ones to the loop."""
         import zmq
 
         no_tracing()
         poller = zmq.Poller()
-        poller.register(self.requests, zmq.POLLIN)
+        poller.register(self.calls, zmq.POLLIN)
         poller.register(woken, zmq.POLLIN)
         try:
             while woken not in dict(poller.poll()):
                 while True:
                     try:
-                        frames = self.requests.recv_multipart(zmq.NOBLOCK, copy=False)
+                        request = self._parse(self.calls.recv_multipart(zmq.NOBLOCK, copy=False))
                     except zmq.Again:
                         break
                     try:
-                        self._receive(frames)
+                        if request is not None:
+                            self._route_call(request)
                     except Exception as exc:  # the service must outlive one bad request
                         print(f"nbdist: rank {self.rank}'s service failed on a request: {exc!r}",
                               file=sys.__stderr__)
         finally:
-            self.requests.close(linger=0)
+            self.calls.close(linger=0)
             woken.close(linger=0)
 
-    def _receive(self, frames: list[Any]) -> None:
-        try:  # zmq Frames: a pushed tensor is not copied
-            _idents, msg_list = self.session.feed_identities(frames, copy=False)
-            request = self.session.deserialize(msg_list, copy=False)
-        except Exception as exc:  # unsigned or malformed: not from this cluster's notebook
-            print(f"nbdist: refused a request on the cell channel: {exc}", file=sys.__stderr__)
-            return
-        tag, content = request["header"]["msg_type"], request["content"]
-        if tag in COMM_TAGS:  # from the notebook's twin of a widget to the rank's own
-            self.loop.add_callback(self._dispatch, Comm(tag, request))
-        elif tag == Call.TAG:
-            self._route_call(request)
-        else:
-            try:
-                message = decode(tag, content, request["buffers"])
-                if not isinstance(message, (Cell, Answer)):
-                    raise ProtocolError(f"a {tag} message is not a request")
-            except ProtocolError as exc:
-                self._refuse(tag, content, str(exc))
-                return
-            if isinstance(message, Answer):
-                self.answers.put(message)  # nobody waits any more (the cell ended): dropped
-            else:
-                self.loop.add_callback(self._dispatch, message)
-
     def _route_call(self, request: dict[str, Any]) -> None:
+        tag = request["header"]["msg_type"]
+        if tag != Call.TAG:
+            self._refuse(tag, request["content"], f"a {tag} message is not a call")
+            return
         try:
             main_thread = lookup(str(request["content"].get("command"))).main_thread
         except LookupError:
@@ -188,6 +179,28 @@ class CellServer:
             self.send(reply, str(token))
 
     # ------------------------------------------------------------ the engine's loop
+    def _read_request(self, request: dict[str, Any]) -> Any:
+        """A request to the main thread as its protocol class (a call stays whole: it is read
+        where it runs); None for one refused."""
+        tag, content = request["header"]["msg_type"], request["content"]
+        if tag in COMM_TAGS:  # from the notebook's twin of a widget to the rank's own
+            return Comm(tag, request)
+        if tag == Call.TAG:
+            return request
+        try:
+            message = decode(tag, content, request["buffers"])
+            if not isinstance(message, (Cell, Answer)):
+                raise ProtocolError(f"a {tag} message is not a request")
+            return message
+        except ProtocolError as exc:
+            self._refuse(tag, content, str(exc))
+            return None
+
+    def _on_request(self, request: dict[str, Any] | None) -> None:
+        message = None if request is None else self._read_request(request)
+        if message is not None and not isinstance(message, Answer):
+            self._dispatch(message)  # a pdb answer nobody waits for any more: dropped
+
     def _dispatch(self, request: Any) -> None:
         if isinstance(request, Comm):
             from comm import get_comm_manager
@@ -264,15 +277,19 @@ class CellServer:
             self.loop.add_callback(self._dispatch, request)
 
     def wait_for_answer(self, seq: str) -> str:
-        """The notebook's answer to pdb prompt `seq`, waited for on the main thread (the loop is
-        the one the stopped cell holds); the service thread hands it over."""
+        """The notebook's answer to pdb prompt `seq`, read here on the main thread: the loop
+        that would read it is the one the stopped cell holds."""
+        import zmq
+
         while True:
-            try:
-                answer = self.answers.get(timeout=ANSWER_POLL)
-            except queue.Empty:
+            if not self.requests.poll(ANSWER_POLL_MS):
                 continue
-            if answer.seq == seq:
-                return answer.line
+            request = self._parse(self.requests.recv_multipart(zmq.NOBLOCK, copy=False))
+            message = None if request is None else self._read_request(request)
+            if isinstance(message, Answer) and message.seq == seq:
+                return message.line
+            if message is not None and not isinstance(message, Answer):
+                self.waiting.append(message)  # a widget's message, a cell: after this one
 
     def _forward(self, parts: list[Any], *args: Any, **kwargs: Any) -> None:
         """The IOPub thread's send: a cell's messages and any widget's to the notebook, the rest
