@@ -137,7 +137,8 @@ class NotebookChannel:
         token = self.new_token()
         wire = Call(token, command, tuple(args)).to_wire()
         for rank, endpoint in endpoints.items():
-            self.send(rank, endpoint, *wire, service=True)
+            service = command not in endpoint.main_thread_commands  # unknown: refused at once
+            self.send(rank, endpoint, *wire, service=service)
         try:
             self.hold()
             return self._answers(token, set(endpoints), timeout)

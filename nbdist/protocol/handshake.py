@@ -29,6 +29,9 @@ class ChannelEndpoint:
     address: str  # "tcp://HOST:PORT" of the rank's ROUTER for cells, pdb answers, widgets
     public_key: bytes | None = None  # its CurveZMQ public key (None: not encrypted)
     service_address: str | None = None  # its rank service's ROUTER, for calls (None: `address`)
+    main_thread_commands: tuple[str, ...] = ()
+    """Commands that run on the main thread between cells: a call to one goes to `address`, read
+    by the engine's loop as a cell is (no hop through the service thread)."""
 
 
 @dataclass(frozen=True, slots=True)

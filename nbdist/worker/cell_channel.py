@@ -30,7 +30,13 @@ from nbdist.protocol.wire import (
     decode,
 )
 from nbdist.worker import orphan_guard
-from nbdist.worker.rank_service import UnknownCommand, lookup, no_tracing, untraced
+from nbdist.worker.rank_service import (
+    COMMANDS,
+    UnknownCommand,
+    lookup,
+    no_tracing,
+    untraced,
+)
 
 __all__ = ["CellServer", "ChannelEndpoint", "ChannelSetup", "open_channel"]
 
@@ -66,8 +72,10 @@ class CellServer:
             self.requests.curve_server = self.calls.curve_server = True
             self.out.curve_serverkey = setup.notebook_key
         where = f"tcp://{setup.bind_host}"
-        self.endpoint = ChannelEndpoint(f"{where}:{self.requests.bind_to_random_port(where)}",
-                                        public, f"{where}:{self.calls.bind_to_random_port(where)}")
+        self.endpoint = ChannelEndpoint(
+            f"{where}:{self.requests.bind_to_random_port(where)}", public,
+            f"{where}:{self.calls.bind_to_random_port(where)}",
+            tuple(sorted(name for name, c in COMMANDS.items() if c.main_thread)))
         self.out.sndhwm = 100_000
         if setup.notebook_process is not None:  # watched from before its first connection
             orphan_guard.guard(self.out, setup.notebook_process, orphan_grace)
