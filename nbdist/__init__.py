@@ -54,10 +54,12 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """``%load_ext nbdist``: register the magics."""
-    from nbdist.notebook.magics import register_magics
+    """``%load_ext nbdist``: register the magics, the features' among them."""
+    from nbdist.features import register_feature_magics
+    from nbdist.notebook.magics import current_cluster, register_magics
 
     register_magics(ipython)
+    register_feature_magics(ipython, current_cluster)
 
 
 def unload_ipython_extension(ipython: Any) -> None:

@@ -33,6 +33,7 @@ from nbdist.cluster.status import ClusterStatus
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import DistributedCellError, NbdistError
 from nbdist.export.run import script_cell
+from nbdist.features.env import cluster_env
 
 if TYPE_CHECKING:
     from nbdist.cluster.slurm import SlurmJob
@@ -180,6 +181,8 @@ class Cluster(ClusterCore):
         """The engines' Slurm job (`job_id`, `state()`, `log_tail()`) when `launcher="slurm"`
         submitted them; None otherwise."""
         return self.launch_mode.job
+
+    env = cluster_env  # `%dist_env`'s table from Python: `cluster.env()`, `cluster.env([0, 1])`
 
     def status(self) -> ClusterStatus:
         if self.running:

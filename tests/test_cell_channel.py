@@ -226,9 +226,9 @@ def test_a_widget_moved_during_a_pdb_prompt_moves_once_the_cell_ends(cluster2, m
 
 
 class _CallingSink(RecordingSink):
-    """At rank 1's first line, has rank 0 (done with the cell) sleep 0.3 s through the channel,
-    as the fault policy calls ranks done with a cell while others still run it: rank 1's lines
-    keep coming meanwhile."""
+    """At rank 1's first line, has rank 0 (done with the cell) sleep 0.3 s through the channel
+    (a command the test registered there), as the fault policy calls ranks done with a cell
+    while others still run it: rank 1's lines keep coming meanwhile."""
 
     def __init__(self, cluster: Cluster) -> None:
         super().__init__()
@@ -238,18 +238,22 @@ class _CallingSink(RecordingSink):
     def on_stream(self, rank: int, name: str, text: str) -> None:
         super().on_stream(rank, name, text)
         if rank == 1 and self.answer is None:
-            self.answer = self.cluster.call(time.sleep, 0.3, ranks=[0], timeout=10)
+            self.answer = self.cluster.call("test.sleep", 0.3, ranks=[0], timeout=10)
 
 
 def test_a_call_made_while_a_cell_waits_leaves_the_cell_all_its_output(cluster2):
     code = ("import time\nif rank == 1:\n    for i in range(60):\n"
             "        print('line', i, flush=True)\n        time.sleep(0.01)\n")
+    register = ("import time\nfrom nbdist.worker.rank_service import command\n"
+                "command('test.sleep', main_thread=True)(time.sleep)\n")
+    cluster2.run(register, ranks=[0], timeout=30).raise_for_errors()
     sink = _CallingSink(cluster2)
     cluster2.run(code, sink=sink, timeout=30).raise_for_errors()
     assert sink.answer is not None and sink.answer.results == {0: None}, sink.answer.failures
     assert sink.text(1, "stdout") == "".join(f"line {i}\n" for i in range(60))
     # and the channel reads as before once the cell is done
-    assert cluster2.call(os.getpid).results == {p.spec.rank: p.pid for p in cluster2.ranks}
+    pids = {rank: env.pid for rank, env in cluster2.call("env.collect").results.items()}
+    assert pids == {p.spec.rank: p.pid for p in cluster2.ranks}
 
 
 def test_a_notebook_without_torch_calls_ranks_and_handles_a_failed_cell_without_importing_it():
@@ -263,7 +267,7 @@ with Cluster(n=2, threads=1) as cluster:
                          "dist.all_reduce(x)\\n", timeout=60)
     assert [r for r, e in result.errors.items() if e.kind == "root"] == [1], result.errors
     assert not any("SIGINT" in action for action in result.actions), result.actions
-    assert cluster.call(len, "abc").results == {0: 3, 1: 3}
+    assert sorted(cluster.call("env.collect").results) == [0, 1]
 print("torch imported:", "torch" in sys.modules)
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,

@@ -80,7 +80,7 @@ def test_push_pull_round_trip_tensors_and_objects(cluster2: Cluster):
 def test_large_tensors_travel_as_their_own_frames_uncopied_and_exact(cluster2: Cluster):
     """A big CPU tensor is a frame of its own, sent from and rebuilt on its memory (no pickle
     copy); every dtype, a Parameter and requires_grad survive."""
-    from nbdist.worker.frames import pack, unpack
+    from nbdist.protocol.frames import pack, unpack
 
     big = torch.arange(100_000, dtype=torch.float32)
     frames = pack({"big": big})

@@ -29,12 +29,13 @@ from nbdist.cluster.ranks import (
     validate_backend,
 )
 from nbdist.errors import NbdistError
+from nbdist.protocol.frames import pack, unpack
+from nbdist.protocol.handshake import ProbeReply
 from nbdist.strategies import deepspeed as deepspeed_strategy
 from nbdist.strategies._common import RANK_DEVICE_VAR, StrategyOptionError, rank_device
 from nbdist.worker import metrics
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.bootstrap import launcher_local_id
-from nbdist.worker.frames import pack, unpack
 from nbdist.worker.process_group import (
     NCCL_ENVIRONMENT,
     dump_environment,
@@ -290,8 +291,8 @@ def test_slurm_task_threads_are_not_divided_again() -> None:
     assert default_threads(8, 4) == 2
     assert default_threads(8, 4, own_cores=True) == 8
     specs = [RankSpec(r, r, 2, 2, "n1", r, "gloo") for r in range(2)]
-    own = {0: {"cpu_affinity": [0, 1]}, 1: {"cpu_affinity": [2, 3]}}
-    shared = {0: {"cpu_affinity": [0, 1, 2, 3]}, 1: {"cpu_affinity": [0, 1, 2, 3]}}
+    own = {0: ProbeReply(cpu_affinity=(0, 1)), 1: ProbeReply(cpu_affinity=(2, 3))}
+    shared = {0: ProbeReply(cpu_affinity=(0, 1, 2, 3)), 1: ProbeReply(cpu_affinity=(0, 1, 2, 3))}
     assert cores_of_their_own(specs, own) == {"n1": True}
     assert cores_of_their_own(specs, shared) == {"n1": False}
 

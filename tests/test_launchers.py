@@ -183,15 +183,16 @@ def test_where_each_end_of_the_cell_channel_listens():
 
     from nbdist.cluster.rendezvous import Rendezvous
     from nbdist.errors import ClusterStartError
+    from nbdist.protocol.handshake import ProbeReply
 
-    probe = {"host": "b", "addresses": {"eth9": ["10.9.0.2"]}, "route_address": "10.0.0.5"}
+    probe = ProbeReply(host="b", addresses={"eth9": ["10.9.0.2"]}, route_address="10.0.0.5")
     local = Rendezvous(None, None)
     assert local.channel_host(probe) == "127.0.0.1" and local.notebook_host(None, {}) == "127.0.0.1"
     pinned, routed = Rendezvous(None, "eth9"), Rendezvous(None, None)
     pinned.spans_hosts = routed.spans_hosts = True
     assert pinned.channel_host(probe) == "10.9.0.2" and routed.channel_host(probe) == "10.0.0.5"
     with pytest.raises(ClusterStartError, match="--interface"):
-        routed.channel_host({"host": "c"})
+        routed.channel_host(ProbeReply(host="c"))
     here = next((a for addresses in net.ipv4_addresses().values() for a in addresses
                  if not net.is_loopback(a)), "127.0.0.1")
     client = SimpleNamespace(_config={"interface": f"tcp://{here}"})

@@ -20,7 +20,6 @@ import torch
 from nbdist import Cluster
 from nbdist.cells.survivors import after_reform
 from nbdist.dashboard.widget import Dashboard
-from nbdist.worker import bootstrap
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 
@@ -68,7 +67,7 @@ def test_nccl_entries_come_from_nccl_s_own_flight_recorder(nccl1: Cluster):
     nccl1.run("t = torch.ones(16, device=device)\ndist.all_reduce(t)\n"
               "c = torch.ones(3)\ndist.all_reduce(c)\ntorch.cuda.synchronize()\n",
               timeout=60).raise_for_errors()
-    entries = nccl1.call(bootstrap.recent_collectives, 8, timeout=30).results[0]
+    entries = nccl1.call("collectives.recent", 8, timeout=30).results[0]
     on_gpu = [e for e in entries if e.group == "default group" and e.sizes == ((16,),)]
     assert on_gpu and on_gpu[-1].op == "all_reduce" and on_gpu[-1].completed, entries
     on_cpu = [e for e in entries if e.group == "default group (CPU tensors)"]

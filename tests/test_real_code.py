@@ -107,7 +107,8 @@ def test_a_traceback_shows_the_cell_and_the_library_it_called_not_nbdist(cluster
     message = result.failure_message()
     assert "── ranks 0-1 raised TypeError: Invalid function argument" in message, message
     assert message.count("Traceback (most recent call last)") == 1, message
-    frames = cluster.call(_frame_files).results
+    cluster.run(FRAME_FILES).raise_for_errors()  # a cell that ends well keeps sys.last_traceback
+    frames = cluster.pull("_frame_files")
     assert any("/nbdist/worker/collectives.py" in f for f in frames[0]), frames[0]
     spawned = cluster.run("import torch.multiprocessing as mp\ndef f(i):\n    pass\n"
                           "mp.spawn(f, nprocs=5)", timeout=60)
@@ -121,15 +122,14 @@ def test_a_traceback_shows_the_cell_and_the_library_it_called_not_nbdist(cluster
     assert "interactiveshell" not in plain and "/nbdist/" not in plain, plain
 
 
-def _frame_files() -> list[str]:
-    """On a rank: the files of the last error's traceback, as post-mortem debugging walks it."""
-    import sys
-
-    tb, files = sys.last_traceback, []
-    while tb is not None:
-        files.append(tb.tb_frame.f_code.co_filename)
-        tb = tb.tb_next
-    return files
+FRAME_FILES = """
+import sys as _sys
+_tb, _frame_files = _sys.last_traceback, []
+while _tb is not None:
+    _frame_files.append(_tb.tb_frame.f_code.co_filename)
+    _tb = _tb.tb_next
+"""
+"""On a rank: the files of the last error's traceback, as post-mortem debugging walks it."""
 
 
 def test_pasted_init_and_destroy_process_group(cluster: Cluster) -> None:

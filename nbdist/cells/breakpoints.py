@@ -6,15 +6,15 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import Sequence
-from typing import Any
 
 from nbdist.cells.output import OutputSink
 from nbdist.cluster.cell_channel import NotebookChannel
 from nbdist.cluster.ranks import RankProcess
+from nbdist.protocol.wire import Answer, Prompt
 
 
 class BreakpointPrompts:
-    """Answers the "debug" payloads of one cell run, one prompt at a time."""
+    """Answers the pdb prompts of one cell run, one at a time."""
 
     def __init__(self, channel: NotebookChannel, ranks: Sequence[RankProcess],
                  sink: OutputSink) -> None:
@@ -26,16 +26,16 @@ class BreakpointPrompts:
         self.interrupted = False
         """The stop button was pressed at a prompt: the ladder stops the ranks, no more asking."""
 
-    def on_payload(self, rank: int, debug: dict[str, Any]) -> None:
-        text = debug.get("text") or ""
+    def on_prompt(self, rank: int, prompt: Prompt) -> None:
+        text = prompt.text
         if text:
             self.sink.on_stream(rank, "stdout", text if text.endswith("\n") else text + "\n")
-        if debug.get("prompt") is None or self.interrupted:
+        if prompt.prompt is None or prompt.seq is None or self.interrupted:
             return
-        line = self._ask(rank, str(debug["prompt"]))
+        line = self._ask(rank, prompt.prompt)
         endpoint = self.ranks[rank].endpoint
         if endpoint is not None:
-            self.channel.send_answer(rank, endpoint, str(debug["seq"]), line)
+            self.channel.send_message(rank, endpoint, Answer(prompt.seq, line))
 
     def _ask(self, rank: int, prompt: str) -> str:
         if self.headless:

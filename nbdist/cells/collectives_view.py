@@ -12,7 +12,6 @@ from typing import TYPE_CHECKING
 from nbdist.cells.flight_verdict import mismatches
 from nbdist.errors import NbdistError
 from nbdist.text import render_table
-from nbdist.worker import bootstrap
 from nbdist.worker.flight_recorder import EnteredCollective
 
 if TYPE_CHECKING:
@@ -26,7 +25,7 @@ def recent_collectives(cluster: ClusterCore, limit: int = 8) -> dict[int, list[E
     """Rank -> its last `limit` collectives (torch's flight recorder, else nbdist's own record). A
     rank busy in a cell cannot answer: its latest telemetry reading (per group, the collective it
     waits in) stands in."""
-    answers = cluster.call(bootstrap.recent_collectives, limit,
+    answers = cluster.call("collectives.recent", limit,
                            timeout=cluster.config.faults.cell_report_timeout)
     found: dict[int, list[EnteredCollective]] = {}
     for process in cluster.ranks:
@@ -80,7 +79,7 @@ def save_trace(cluster: ClusterCore, directory: str | os.PathLike[str],
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     alive = [p.spec.rank for p in cluster.ranks if p.state == "alive"]
     timeout = cluster.config.faults.cell_report_timeout + (30.0 if stacks else 0.0)
-    answers = cluster.call(bootstrap.collectives_trace, stacks, ranks=alive, timeout=timeout)
+    answers = cluster.call("collectives.trace", stacks, ranks=alive, timeout=timeout)
     if answers.failures:
         listed = "; ".join(f"rank {r}: {why}" for r, why in sorted(answers.failures.items()))
         raise NbdistError(f"could not read the flight recorder of every rank: {listed}")

@@ -140,7 +140,7 @@ def diff_ranks(cluster: Any, expr: str, ranks: list[int] | None = None, full: bo
         raise NbdistError("%dist_diff --full gathers sharded tensors, a collective: it needs "
                           "every rank (drop --ranks)")
     timeout = cluster.config.start.bootstrap_timeout
-    gathered = cluster.call(diffing.fingerprint_expression, expr, full, ranks=targets,
+    gathered = cluster.call("diff.fingerprint", expr, full, ranks=targets,
                             timeout=timeout)
     if gathered.failures:
         rank = min(gathered.failures)
@@ -177,7 +177,7 @@ def _small(diff: EntryDiff, prints: Mapping[int, Mapping[str, Any]]) -> bool:
 def _measure_fetched(cluster: Any, wanted: list[EntryDiff], timeout: float) -> None:
     ranks = sorted({r for diff in wanted for r in (diff.reference[0], *diff.differing)})
     names = sorted({diff.name for diff in wanted})  # small entries only: the union costs little
-    results = cluster.call(diffing.fetch, names, ranks=ranks, timeout=timeout).results
+    results = cluster.call("diff.fetch", names, ranks=ranks, timeout=timeout).results
     for diff in wanted:
         ref = results.get(diff.reference[0], {}).get(diff.name)
         others = [results.get(r, {}).get(diff.name) for r in diff.differing]

@@ -8,7 +8,7 @@ and asks the fault policy (``nbdist.cells.policy``) what to do when something go
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from nbdist.cells.breakpoints import BreakpointPrompts
@@ -22,6 +22,16 @@ from nbdist.cells.syntax import check_syntax
 from nbdist.cells.widgets import relay_widgets
 from nbdist.cluster.cell_channel import SEND_TIMEOUT_MS
 from nbdist.errors import NbdistError
+from nbdist.protocol.wire import (
+    TELEMETRY_KEY,
+    Cell,
+    CellDone,
+    Display,
+    Malformed,
+    Prompt,
+    Stream,
+    Telemetry,
+)
 
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
@@ -72,6 +82,10 @@ class CellRun:
         self.channel = cluster.channel()
         self.breakpoints = BreakpointPrompts(self.channel, cluster.ranks, sink)
         self.token = self.channel.new_token()
+        self._handlers: dict[type, Callable[[int, Any], None]] = {
+            Stream: self._on_stream, Display: self._on_display, Telemetry: self._on_telemetry,
+            Prompt: self.breakpoints.on_prompt, CellDone: self._on_done,
+            Malformed: self._on_malformed}
 
     # ---------------------------------------------------------------- dispatch
     def execute(self) -> CellResult:
@@ -103,7 +117,7 @@ class CellRun:
             try:
                 if endpoint is None:
                     raise NbdistError("the rank has no cell channel (its setup did not finish)")
-                self.channel.send_cell(rank, endpoint, self.token, self.result.code)
+                self.channel.send_message(rank, endpoint, Cell(self.token, self.result.code))
             except (zmq.Again, NbdistError) as exc:  # a full queue: the engine reads no cell
                 self.pending.discard(rank)
                 self.result.errors[rank] = RankError(
@@ -140,9 +154,9 @@ class CellRun:
             out = self.outputs.get(message.rank)
             if message.token != self.token or out is None:
                 continue  # an earlier cell's late output, given up on
-            event = read_message(message, out)
-            if event is not None:
-                self._handle(message.rank, *event)
+            body = read_message(message.body, out)
+            if body is not None:
+                self._handlers[type(body)](message.rank, body)
         now = time.perf_counter()
         if now >= self._next_dead_check:
             self._next_dead_check = now + self.config.internal.dead_check_interval
@@ -164,26 +178,32 @@ class CellRun:
             self.pump(min(remaining, self.config.internal.poll_interval * 5))
         return True
 
-    def _handle(self, rank: int, kind: str, content: Any) -> None:
-        if kind == "stream":
-            self.output.stream(rank, content["name"], content["text"])
-        elif kind == "display":
-            self.displays_shown[rank] = self.displays_shown.get(rank, 0) + 1
-            self.sink.on_display(rank, content)
-        elif kind == "telemetry" and "debug" in content:
-            self.breakpoints.on_payload(rank, content["debug"])  # a rank stopped at breakpoint()
-        elif kind == "telemetry":
-            self.cluster.telemetry.publish(rank, content)
-            try:
-                self.sink.on_telemetry(rank, content)
-            except Exception:
-                pass  # the dashboard path never breaks a cell
-        elif kind == "done":
-            if rank in self.pending:
-                self.pending.discard(rank)
-                self.finished_at[rank] = time.perf_counter()
-                failed = finished_with_error(self, rank)
-                self.output.rank_done(rank, "failed" if failed else "finished")
+    def _on_stream(self, rank: int, stream: Stream) -> None:
+        self.output.stream(rank, stream.name, stream.text)
+
+    def _on_display(self, rank: int, display: Display) -> None:
+        self.displays_shown[rank] = self.displays_shown.get(rank, 0) + 1
+        self.sink.on_display(rank, display.content)
+
+    def _on_telemetry(self, rank: int, telemetry: Telemetry) -> None:
+        payload = telemetry.data[TELEMETRY_KEY]
+        self.cluster.telemetry.publish(rank, payload)
+        try:
+            self.sink.on_telemetry(rank, payload)
+        except Exception:
+            pass  # the dashboard path never breaks a cell
+
+    def _on_done(self, rank: int, _done: Any = None) -> None:
+        if rank in self.pending:
+            self.pending.discard(rank)
+            self.finished_at[rank] = time.perf_counter()
+            failed = finished_with_error(self, rank)
+            self.output.rank_done(rank, "failed" if failed else "finished")
+
+    def _on_malformed(self, rank: int, malformed: Malformed) -> None:
+        self.sink.on_status(f"nbdist: rank {rank}: {malformed.reason}")
+        if malformed.tag == CellDone.TAG:
+            self._on_done(rank)
 
     def _controller_lost(self) -> None:
         for rank in sorted(self.pending):

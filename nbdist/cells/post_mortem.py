@@ -1,6 +1,6 @@
 """`%dist_debug`: IPython's `%debug`, but on a rank. The notebook asks for each command
 (`ask(prompt)`, `input` in a kernel) and shows what the rank's post-mortem pdb printed (`show`);
-the debugger itself runs on the rank (`nbdist.worker.post_mortem`), so tensors stay there."""
+the debugger itself runs on the rank (its `post_mortem.*` commands), so tensors stay there."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from typing import Any
 
 from nbdist.cells.result import CellResult
 from nbdist.errors import NbdistError
-from nbdist.worker import post_mortem
 
 Ask = Callable[[str], str]
 Show = Callable[[str], None]
@@ -33,7 +32,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
     input; returns how many commands ran there. The rank, its namespace and the process group
     are left as they were."""
     timeout = cluster.config.start.bootstrap_timeout
-    opened = _call(cluster, rank, timeout, post_mortem.start)
+    opened = _call(cluster, rank, timeout, "post_mortem.start")
     if not opened["ok"]:
         show(f"nbdist: rank {rank}: {opened['text']}")
         return 0
@@ -47,7 +46,7 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
                 line = ask(prompt)
             except (EOFError, KeyboardInterrupt):
                 line = "q"
-            reply = _call(cluster, rank, timeout, post_mortem.command, line)
+            reply = _call(cluster, rank, timeout, "post_mortem.command", line)
             if reply["text"]:
                 show(reply["text"].rstrip("\n"))
             if reply["done"]:
@@ -55,11 +54,11 @@ def debug_rank(cluster: Any, rank: int, ask: Ask, show: Show) -> int:
             count += 1
     finally:
         # a failed ask (or an error here) must not leave the rank holding the session's frames
-        _call(cluster, rank, timeout, post_mortem.stop)
+        _call(cluster, rank, timeout, "post_mortem.stop")
 
 
-def _call(cluster: Any, rank: int, timeout: float, fn: Callable[..., Any], *args: Any) -> Any:
-    gathered = cluster.call(fn, *args, ranks=[rank], timeout=timeout)
+def _call(cluster: Any, rank: int, timeout: float, command: str, *args: Any) -> Any:
+    gathered = cluster.call(command, *args, ranks=[rank], timeout=timeout)
     if gathered.failures:
         raise NbdistError(f"%dist_debug: rank {rank}: {gathered.failures[rank]}")
     return gathered.results[rank]

@@ -11,7 +11,6 @@ from nbdist.cells.output import OutputSink
 from nbdist.cells.result import CellResult
 from nbdist.errors import NbdistError
 from nbdist.profiler import ProfileReport, build_report
-from nbdist.worker import profiling
 
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
@@ -47,7 +46,7 @@ def run_profiled(cluster: ClusterCore, code: str, ranks: list[int] | None,
     report's `missing`; the cell's own errors are in the result, as without --profile."""
     trace_path = check_trace_path(path)
     targets = cluster.targets(ranks)
-    started = cluster.call(profiling.start, ranks=targets, timeout=CONTROL_TIMEOUT)
+    started = cluster.call("profile.start", ranks=targets, timeout=CONTROL_TIMEOUT)
     if started.failures:
         _collect(cluster, list(started.results))
         rank = min(started.failures)
@@ -66,7 +65,7 @@ def run_profiled(cluster: ClusterCore, code: str, ranks: list[int] | None,
 
 def _collect(cluster: ClusterCore, targets: list[int]) -> tuple[list[dict], dict[int, str]]:
     """Stop the profilers on the live targets; their captures, and why any rank has none."""
-    gathered = cluster.call(profiling.stop, ranks=targets, timeout=CONTROL_TIMEOUT)
+    gathered = cluster.call("profile.stop", ranks=targets, timeout=CONTROL_TIMEOUT)
     missing = dict(gathered.failures)  # a rank that died during the cell is not waited for
     captures = _captures(gathered.results, missing, "no profiler was running there")
     return captures, missing
@@ -88,7 +87,7 @@ def collect_last_profile(cluster: ClusterCore, ranks: list[int] | None,
     """Merge the captures the ranks' last `with nbdist.profile():` blocks left behind."""
     trace_path = check_trace_path(path)
     targets = cluster.targets(ranks)
-    gathered = cluster.call(profiling.last_capture, ranks=targets, timeout=CONTROL_TIMEOUT)
+    gathered = cluster.call("profile.last", ranks=targets, timeout=CONTROL_TIMEOUT)
     missing = dict(gathered.failures)
     captures = _captures(gathered.results, missing,
                          "nothing profiled there yet (use `with nbdist.profile():` in a cell)")

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from nbdist.worker import survivors
-
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
 
@@ -21,14 +19,14 @@ def after_reform(cluster: ClusterCore) -> str:
     timeout per step."""
     timeout = cluster.config.start.rebuild_timeout
     alive = [p.spec.rank for p in cluster.ranks if p.state == "alive"]
-    scans = cluster.call(survivors.scan, ranks=alive, timeout=timeout).results
+    scans = cluster.call("survivors.scan", ranks=alive, timeout=timeout).results
     if not scans:
         return KEPT
     candidates = {tuple(scan["rewrap"]) for scan in scans.values()}
     wanted = list(next(iter(candidates))) if len(candidates) == 1 else []
     rewrapped: list[str] = []
     if wanted and sorted(scans) == alive:
-        done = cluster.call(survivors.rewrap, wanted, ranks=alive, timeout=timeout)
+        done = cluster.call("survivors.rewrap", wanted, ranks=alive, timeout=timeout)
         rewrapped = wanted if not done.failures else []
     stale = sorted({item for scan in scans.values() for item in scan["stale"]}
                    | {f"{name} (DDP model)" for scan in scans.values() for name in scan["rewrap"]

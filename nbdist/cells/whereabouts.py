@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from nbdist.worker import bootstrap
-
 if TYPE_CHECKING:
     from nbdist.cluster import ClusterCore
 
@@ -88,7 +86,7 @@ def in_backward(stack: list[str], innermost: bool = False) -> bool:
 def cell_reports(cluster: ClusterCore, ranks: list[int]) -> dict[int, dict[str, Any]]:
     """Ask the alive ones of `ranks` what the cell did to them (``collectives_entered``,
     ``failed_in``, ``pg_initialized``); a rank that cannot answer in time is left out."""
-    return cluster.call(bootstrap.cell_report, ranks=ranks,
+    return cluster.call("cell.report", ranks=ranks,
                         timeout=cluster.config.faults.cell_report_timeout).results
 
 

@@ -28,9 +28,9 @@ class WidgetRelay:
         self.lock = threading.Lock()  # the channel's reader thread, and the kernel's own
 
     def __call__(self, message: ChannelMessage) -> None:
-        msg = message.msg
+        msg = message.body.msg  # a protocol Comm: Jupyter's comm message, whole
         content = msg["content"]
-        kind = msg["header"]["msg_type"]
+        kind = message.body.kind
         comm_id = str(content.get("comm_id"))
         if kind == "comm_open":
             self._open(message.rank, comm_id, msg)

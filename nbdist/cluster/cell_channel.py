@@ -1,6 +1,7 @@
 """The notebook's end of the cell channel: one PULL for what every rank sends, one DEALER per
-rank; a reader thread hands widget messages to `on_comm` at once and the rest to the cell runner.
-Messages carry the cell's token and the rank, so a given-up cell's late output is dropped."""
+rank; a reader thread hands widget messages to `on_comm` at once and the rest to the cell runner,
+each read into its `nbdist.protocol` class. Messages carry the cell's token and the rank, so a
+given-up cell's late output is dropped."""
 
 from __future__ import annotations
 
@@ -19,18 +20,20 @@ import psutil
 from nbdist.cluster.gather import Gathered, rank_error
 from nbdist.cluster.ranks import RankProcess
 from nbdist.errors import NbdistError
-from nbdist.worker.cell_channel import (
-    CALL_REQUEST,
-    CELL_REPLY,
-    CELL_REQUEST,
-    COMM_TYPES,
-    PDB_ANSWER,
-    ChannelEndpoint,
-    ChannelSetup,
+from nbdist.protocol.frames import CellClassMissing
+from nbdist.protocol.handshake import ChannelEndpoint, ChannelSetup
+from nbdist.protocol.wire import (
+    COMM_TAGS,
+    Call,
+    CallReply,
+    Comm,
+    Malformed,
+    Message,
+    ProtocolError,
+    decode,
 )
-from nbdist.worker.frames import CellClassMissing, pack, unpack
 
-__all__ = ["CELL_REPLY", "COMM_TYPES", "ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
+__all__ = ["ChannelEndpoint", "ChannelMessage", "NotebookChannel"]
 
 SEND_TIMEOUT_MS = 1000
 CLOSE_TIMEOUT = 5.0  # seconds for the reader thread to stop (unless a widget handler hangs)
@@ -40,7 +43,7 @@ CLOSE_TIMEOUT = 5.0  # seconds for the reader thread to stop (unless a widget ha
 class ChannelMessage:
     token: str  # the cell's ("" between cells)
     rank: int
-    msg: dict[str, Any]
+    body: Any  # a protocol message (`nbdist.protocol.wire`), a `Comm`, or `Malformed`
 
 
 class NotebookChannel:
@@ -68,7 +71,7 @@ class NotebookChannel:
         self._aside: list[ChannelMessage] = []  # a running cell's, read by a call it made
         self.inbox: queue.SimpleQueue[ChannelMessage] = queue.SimpleQueue()
         self.on_comm: Any = None  # a rank's widget messages go to it (cells.widgets.WidgetRelay)
-        self._dealers: dict[int, tuple[ChannelEndpoint, Any]] = {}
+        self._dealers: dict[tuple[int, bool], tuple[ChannelEndpoint, Any]] = {}
         self._send_lock = threading.Lock()  # the main thread, and a widget's twin from any thread
         self._tokens = itertools.count(1)
         self._prefix = f"{os.getpid()}-{id(self):x}"
@@ -90,21 +93,21 @@ class NotebookChannel:
     def new_token(self) -> str:
         return f"{self._prefix}-{next(self._tokens)}"
 
-    def send_cell(self, rank: int, endpoint: ChannelEndpoint, token: str, code: str) -> None:
-        """Send one cell to a rank; raises zmq.Again if the rank has stopped taking them."""
-        self.send(rank, endpoint, CELL_REQUEST, {"token": token, "code": code})
-
-    def send_answer(self, rank: int, endpoint: ChannelEndpoint, seq: str, line: str) -> None:
-        self.send(rank, endpoint, PDB_ANSWER, {"seq": seq, "line": line})
+    def send_message(self, rank: int, endpoint: ChannelEndpoint, message: Message) -> None:
+        """One protocol message to a rank; raises zmq.Again if the rank has stopped taking them
+        (a cell: `Cell`; a pdb answer: `Answer`)."""
+        self.send(rank, endpoint, *message.to_wire())
 
     def send(self, rank: int, endpoint: ChannelEndpoint, msg_type: str, content: dict[str, Any],
-             buffers: list[Any] | None = None) -> None:
+             buffers: list[Any] | None = None, service: bool = False) -> None:
+        """Encoded already: a protocol message's wire form, or a widget's comm message; a call
+        (`service`) to the rank service's own socket."""
         with self._send_lock:
-            self.session.send(self._dealer(rank, endpoint), msg_type, content=content,
+            self.session.send(self._dealer(rank, endpoint, service), msg_type, content=content,
                               buffers=buffers)
 
-    def _dealer(self, rank: int, endpoint: ChannelEndpoint) -> Any:
-        known = self._dealers.get(rank)
+    def _dealer(self, rank: int, endpoint: ChannelEndpoint, service: bool) -> Any:
+        known = self._dealers.get((rank, service))
         if known is not None and known[0] == endpoint:
             return known[1]
         if known is not None:
@@ -115,24 +118,27 @@ class NotebookChannel:
         if endpoint.public_key is not None:
             dealer.curve_publickey, dealer.curve_secretkey = self.public_key, self._secret_key
             dealer.curve_serverkey = endpoint.public_key
-        dealer.connect(endpoint.address)
-        self._dealers[rank] = (endpoint, dealer)
+        dealer.connect(endpoint.service_address if service and endpoint.service_address
+                       else endpoint.address)
+        self._dealers[rank, service] = (endpoint, dealer)
         return dealer
 
-    def call(self, ranks: Sequence[RankProcess], function: Callable[..., Any],
-             args: tuple[Any, ...], timeout: float) -> Gathered[int]:
-        """`function(*args)` (importable: it travels by name) on each rank, under one deadline;
-        never raises for a rank's failure or silence. Made while a cell waits (the fault policy's
-        calls to ranks done with it), it leaves the cell's messages to the cell's runner."""
+    def call(self, ranks: Sequence[RankProcess], command: str, args: tuple[Any, ...],
+             timeout: float) -> Gathered[int]:
+        """The rank service's `command` with `args` on each rank, under one deadline; never
+        raises for a rank's failure, refusal or silence. Made while a cell waits (the fault
+        policy's calls to ranks done with it), it leaves the cell's messages to the cell's
+        runner."""
         missing = [p.spec.rank for p in ranks if p.endpoint is None]
         if missing:
             raise NbdistError(f"rank(s) {missing} have no cell channel (their setup did not "
                               "finish)")
         endpoints = {p.spec.rank: p.endpoint for p in ranks}
         token = self.new_token()
-        buffers = pack((function, args))
+        wire = Call(token, command, tuple(args)).to_wire()
         for rank, endpoint in endpoints.items():
-            self.send(rank, endpoint, CALL_REQUEST, {"token": token}, buffers)
+            service = command not in endpoint.main_thread_commands  # unknown: refused at once
+            self.send(rank, endpoint, *wire, service=service)
         try:
             self.hold()
             return self._answers(token, set(endpoints), timeout)
@@ -158,20 +164,16 @@ class NotebookChannel:
 
     @staticmethod
     def _answer(message: ChannelMessage, out: Gathered[int]) -> None:
-        content = message.msg["content"]
-        if content.get("status") != "ok":
-            out.failures[message.rank] = rank_error(
-                content.get("ename"), content.get("evalue"), content.get("traceback"))
-            return
-        try:
-            out.results[message.rank] = unpack(message.msg["buffers"])
-        except CellClassMissing as exc:
-            out.failures[message.rank] = (
-                f"the value holds {exc.name}, defined in a cell on the ranks, which the notebook "
-                "does not define: it could not rebuild the value. Run the same definition in a "
-                "plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors).")
-        except Exception as exc:
-            out.failures[message.rank] = f"could not rebuild the answer here: {exc!r}"
+        reply = message.body
+        if isinstance(reply, CallReply) and reply.error is None:
+            out.results[message.rank] = reply.value
+        elif isinstance(reply, CallReply):
+            out.failures[message.rank] = rank_error(*reply.error)
+        elif isinstance(reply, Malformed):
+            out.failures[message.rank] = reply.reason
+        else:
+            out.failures[message.rank] = (f"the rank answered the call with a "
+                                          f"{type(reply).__name__}, not a CallReply")
 
     def hold(self) -> None:
         """Read the PULL on this thread until `release` (no thread wake-up per message while a
@@ -244,10 +246,11 @@ class NotebookChannel:
             try:  # zmq Frames, not bytes: a pulled tensor keeps the frame's memory, uncopied
                 idents, msg_list = self.session.feed_identities(frames, copy=False)
                 msg = self.session.deserialize(msg_list, content=True, copy=False)
-                message = ChannelMessage(idents[0].decode(), int(idents[1]), msg)
+                token, rank = idents[0].decode(), int(idents[1])
             except Exception:  # unsigned, replayed or malformed: not from this cluster's ranks
                 continue
-            if msg["header"]["msg_type"] not in COMM_TYPES:
+            message = ChannelMessage(token, rank, _read(msg))
+            if not isinstance(message.body, Comm):
                 if message.token:
                     deliver(message)
             elif (handler := self.on_comm) is not None:
@@ -270,6 +273,23 @@ class NotebookChannel:
         self._wake.close(linger=0)
         if not self._reader.is_alive():
             self.context.term()
+
+
+def _read(msg: dict[str, Any]) -> Any:
+    """A signed message as its protocol class; one this end cannot read as `Malformed`, handed
+    on like the rest so that whoever waits for it hears why."""
+    tag = msg["header"]["msg_type"]
+    if tag in COMM_TAGS:
+        return Comm(tag, msg)
+    try:
+        return decode(tag, msg["content"], msg["buffers"])
+    except CellClassMissing as exc:
+        return Malformed(tag, (
+            f"the value holds {exc.name}, defined in a cell on the ranks, which the notebook "
+            "does not define: it could not rebuild the value. Run the same definition in a "
+            "plain notebook cell too, or pull plain types (dicts, lists, tuples, tensors)."))
+    except ProtocolError as exc:
+        return Malformed(tag, f"the notebook could not read the rank's message: {exc}")
 
 
 def open_channel(channel: NotebookChannel | None, client: Any, bind_host: str,

@@ -28,8 +28,6 @@ from nbdist.cluster.rendezvous import Rendezvous
 from nbdist.cluster.telemetry import TelemetryHub
 from nbdist.config import DEFAULT, NbdistConfig
 from nbdist.errors import ClusterNotRunningError, ClusterStartError, Interrupted, NbdistError
-from nbdist.worker import bootstrap
-from nbdist.worker import values as rank_values
 from nbdist.worker.net import free_port
 
 __all__ = ["ClusterCore", "Progress", "RankProcess", "free_port"]
@@ -212,8 +210,7 @@ class ClusterCore:
     def teardown_process_group(self, ranks: Iterable[int], timeout: float) -> list[int]:
         """Destroy the group on these (idle) ranks so peers blocked on them fail at once;
         returns the ranks where that finished in time."""
-        return list(self.call(bootstrap.teardown_process_group, ranks=ranks,
-                              timeout=timeout).results)
+        return list(self.call("group.teardown", ranks=ranks, timeout=timeout).results)
 
     def rebuild_process_group(self) -> float:
         """New generation on a fresh port on every rank; returns seconds taken."""
@@ -232,7 +229,7 @@ class ClusterCore:
         targets = [self.ranks[r] for r in self.targets(ranks)]
         values = check_pushed_values(values)
         try:
-            gathered = self.channel().call(targets, rank_values.receive_values, (values,),
+            gathered = self.channel().call(targets, "values.receive", (values,),
                                            self.config.start.bootstrap_timeout)
         except KeyboardInterrupt:
             raise Interrupted(f"the push of {', '.join(values)} was interrupted: some ranks may "
@@ -248,7 +245,7 @@ class ClusterCore:
         targets = [self.ranks[r] for r in self.targets(ranks)]
         check_variable_name(name, "pull")
         try:
-            gathered = self.channel().call(targets, rank_values.send_values, ([name],),
+            gathered = self.channel().call(targets, "values.send", ([name],),
                                            self.config.start.bootstrap_timeout)
         except KeyboardInterrupt:
             raise Interrupted(f"the pull of {name!r} was interrupted: nothing was fetched; the "
@@ -258,17 +255,20 @@ class ClusterCore:
             raise NbdistError(f"pull {name!r} from rank {first}: {gathered.failures[first]}")
         return {r: gathered.results[r][name] for r in sorted(gathered.results)}
 
-    def call(self, function: Callable[..., Any], *args: Any, ranks: Iterable[int] | None = None,
-             timeout: float | None = None) -> Gathered[int]:
-        """`function(*args)` on the ranks (those done with a running cell too): each rank's
-        result, or why it has none (it raised, is dead, did not answer in time); never raises for
-        one."""
+    def call(self, command: str | Callable[..., Any], *args: Any,
+             ranks: Iterable[int] | None = None, timeout: float | None = None) -> Gathered[int]:
+        """The rank command `command` (its name, or the function registered under it) with
+        `args` on the ranks: each rank's result, or why it has none (it raised, refused the
+        command, is dead, did not answer in time); never raises for one. A command of the rank
+        service's own thread answers while a cell runs there or pdb waits; one that touches the
+        rank's namespace answers once the rank is done with a running cell."""
+        command = command_name(command)
         self._require_running()
         self.poll_dead()
         wanted = list(range(self.world_size) if ranks is None else ranks)
         alive = [self.ranks[r] for r in wanted if self.ranks[r].state == "alive"]
         wait = self.config.start.bootstrap_timeout if timeout is None else timeout
-        gathered = self.channel().call(alive, function, args, wait)
+        gathered = self.channel().call(alive, command, args, wait)
         gathered.failures.update({r: f"rank {r} is dead ({self.ranks[r].exit_detail})"
                                   for r in wanted if self.ranks[r].state != "alive"})
         return gathered
@@ -362,6 +362,22 @@ class ClusterCore:
             return "<nbdist.Cluster (not running)>"
         return (f"<nbdist.Cluster {self.world_size} ranks, {self.backend}, "
                 f"generation {self.generation}>")
+
+
+def command_name(command: str | Callable[..., Any]) -> str:
+    """A command's name; a function (as callers named commands before the rank service) by the
+    name it is registered under in this process."""
+    if isinstance(command, str):
+        return command
+    from nbdist.worker.rank_service import COMMANDS
+
+    found = next((c.name for c in COMMANDS.values() if c.function is command), None)
+    if found is None:
+        name = getattr(command, "__qualname__", repr(command))
+        raise NbdistError(f"{name} is not a rank command: a rank runs only the commands its "
+                          f"service registers ({', '.join(sorted(COMMANDS))}); run code on the "
+                          "ranks with Cluster.run")
+    return found
 
 
 def _stop_at_exit(ref: weakref.ReferenceType[ClusterCore]) -> None:

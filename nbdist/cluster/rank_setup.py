@@ -26,6 +26,8 @@ from nbdist.cluster.ranks import (
 )
 from nbdist.cluster.rendezvous import controller_host, is_local_engine
 from nbdist.errors import ClusterStartError, NbdistWarning
+from nbdist.protocol import wire
+from nbdist.protocol.handshake import ProbeReply, version_mismatch
 from nbdist.worker import bootstrap
 from nbdist.worker.setup_message import RankSetup
 
@@ -81,23 +83,30 @@ def sharing_note(specs: list[RankSpec]) -> str | None:
             "loopback sockets: for learning and testing, not speed")
 
 
-def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, Any]:
+def probe(client: Any, ids: Iterable[int], timeout: float) -> dict[int, ProbeReply]:
+    """What each engine is, once both ends said which protocol they speak."""
     peer = controller_host(client)
-    probes = collect({eid: client[eid].apply_async(bootstrap.probe, peer) for eid in ids},
-                     timeout, "probing engines (torch import)")
-    too_old = torch_support.floor_problem({eid: found["torch"] for eid, found in probes.items()})
+    asyncs = {eid: client[eid].apply_async(bootstrap.probe, peer, wire.VERSION) for eid in ids}
+    probes = collect(asyncs, timeout, "probing engines (torch import)")
+    for eid, found in sorted(probes.items()):
+        where = f"engine {eid} (host {getattr(found, 'host', '?')})"
+        # a dict: an nbdist from before protocol versions
+        mismatch = version_mismatch(found.protocol if isinstance(found, ProbeReply) else 0,
+                                    getattr(found, "nbdist", ""), where)
+        if mismatch:
+            raise ClusterStartError(mismatch)
+    too_old = torch_support.floor_problem({eid: found.torch for eid, found in probes.items()})
     if too_old:
         raise ClusterStartError(too_old)
     return probes
 
 
-def plan_ranks(probes: dict[int, Any], requested_backend: str, gpus_per_rank: int,
+def plan_ranks(probes: dict[int, ProbeReply], requested_backend: str, gpus_per_rank: int,
                host_order: list[str] | None, share_gpu: bool = False) -> list[RankSpec]:
     """The rank table (hosts in `host_order` first: ranks survive restarts)."""
-    infos = [EngineInfo(engine_id=eid, host=found["host"], pid=found["pid"],
-                        gpu_count=found["gpu_count"],
-                        gpu_uuids=tuple(found.get("gpu_uuids") or ()),
-                        local_id=found.get("local_id"))
+    infos = [EngineInfo(engine_id=eid, host=found.host, pid=found.pid,
+                        gpu_count=found.gpu_count, gpu_uuids=tuple(found.gpu_uuids),
+                        local_id=found.local_id)
              for eid, found in sorted(probes.items())]
     if share_gpu:
         require_gpu_to_share({i.host: i.gpu_count for i in infos})
@@ -122,26 +131,26 @@ def gpus_or_cpu(infos: list[EngineInfo], requested_backend: str, gpus_per_rank: 
     return 0
 
 
-def rank_threads(specs: list[RankSpec], probes: dict[int, Any],
+def rank_threads(specs: list[RankSpec], probes: dict[int, ProbeReply],
                  requested: int | None) -> dict[int, int]:
     """Each rank's threads: `requested`, else its host's cores shared out among the ranks there."""
     own_cores = cores_of_their_own(specs, probes)
-    return {s.rank: requested or default_threads(probes[s.engine_id]["cpu_count"] or 1,
+    return {s.rank: requested or default_threads(probes[s.engine_id].cpu_count or 1,
                                                  s.local_world_size, own_cores[s.host])
             for s in specs}
 
 
-def cores_of_their_own(specs: list[RankSpec], probes: dict[int, Any]) -> dict[str, bool]:
+def cores_of_their_own(specs: list[RankSpec], probes: dict[int, ProbeReply]) -> dict[str, bool]:
     """Host -> whether its engines' CPU affinities are disjoint (a launcher bound each task to its
     share: dividing that again by the ranks on the host would starve them)."""
     cores: dict[str, list[frozenset[int]]] = {}
     for spec in specs:
-        affinity = probes[spec.engine_id].get("cpu_affinity") or ()
+        affinity = probes[spec.engine_id].cpu_affinity
         cores.setdefault(spec.host, []).append(frozenset(affinity))
     return {host: each_its_own(sets) for host, sets in cores.items()}
 
 
-def new_generation(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int, Any],
+def new_generation(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int, ProbeReply],
                    threads: dict[int, int], living: list[RankProcess]) -> list[RankProcess]:
     """The cluster's next process-group generation, on a fresh port: the ranks of `specs` set up
     and join it while the `living` ones rebuild into it; returns the new ranks."""
@@ -177,8 +186,8 @@ def new_generation(cluster: ClusterCore, specs: list[RankSpec], probes: dict[int
     for spec in specs:
         found, done = probes[spec.engine_id], ready[spec.engine_id]
         ranks.append(RankProcess(
-            spec, found["pid"], found["create_time"], done.device, done.threads,
-            helper_pids=[tuple(c) for c in found["children"]], local=is_local_engine(found),
-            release_signal=found.get("release_signal"), report_signal=found.get("report_signal"),
+            spec, found.pid, found.create_time, done.device, done.threads,
+            helper_pids=[tuple(c) for c in found.children], local=is_local_engine(found),
+            release_signal=found.release_signal, report_signal=found.report_signal,
             endpoint=done.endpoint, notes=list(done.notes)))
     return ranks

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from nbdist.cluster.arguments import check_rank_selection
 from nbdist.errors import NbdistError
-from nbdist.worker.cell_channel import ChannelEndpoint
+from nbdist.protocol.handshake import ChannelEndpoint
 from nbdist.worker.setup_message import RankSpec
 
 BACKENDS = ("auto", "nccl", "gloo")

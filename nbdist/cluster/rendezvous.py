@@ -12,6 +12,7 @@ from nbdist.cluster.gather import short_error
 from nbdist.cluster.launchers import warn_unauthenticated_rendezvous
 from nbdist.cluster.ranks import RankSpec
 from nbdist.errors import ClusterStartError
+from nbdist.protocol.handshake import ProbeReply
 from nbdist.worker import net
 from nbdist.worker.process_tree import same_process
 
@@ -23,7 +24,8 @@ class Rendezvous:
         self.interface = interface
         self.spans_hosts = False
 
-    def choose(self, plan_spans_hosts: bool, specs: list[RankSpec], probes: dict[int, Any]) -> None:
+    def choose(self, plan_spans_hosts: bool, specs: list[RankSpec],
+               probes: dict[int, ProbeReply]) -> None:
         """Rendezvous on rank 0: its address on --interface, else the one it reaches the
         controller by (so the others reach it too); 127.0.0.1 for a local cluster."""
         self.spans_hosts = plan_spans_hosts or not all(map(is_local_engine, probes.values()))
@@ -36,32 +38,32 @@ class Rendezvous:
             if address is None and self.interface is not None:
                 raise ClusterStartError(
                     f"--interface {self.interface}: rank 0 (host {host}) has no IPv4 address on "
-                    f"it (it has {sorted(rank0.get('addresses', {}))})")
+                    f"it (it has {sorted(rank0.addresses)})")
             if address is None:
                 raise ClusterStartError(
                     f"could not tell which address of rank 0 (host {host}) the other ranks "
                     "can reach; pass master_addr= (--master-addr) or interface= (--interface)")
             self.master_addr = address
 
-    def rank_interface(self, probe: dict[str, Any]) -> str | None:
+    def rank_interface(self, probe: ProbeReply) -> str | None:
         """--interface, else (across hosts) the one the rank reaches the controller by."""
         if self.interface is not None or not self.spans_hosts:
             return self.interface
-        return probe.get("route_interface") or None
+        return probe.route_interface or None
 
-    def channel_host(self, probe: dict[str, Any]) -> str:
+    def channel_host(self, probe: ProbeReply) -> str:
         """Where a rank's cell channel listens: loopback on one host, else the rank's address on
         --interface or the one it reaches the controller by."""
         if not self.spans_hosts:
             return "127.0.0.1"
-        address = _probe_address(probe, self.interface) or probe.get("route_address")
+        address = _probe_address(probe, self.interface) or probe.route_address
         if not address:
             raise ClusterStartError(
-                f"could not tell which address of host {probe.get('host')} the notebook can reach "
+                f"could not tell which address of host {probe.host} the notebook can reach "
                 "its rank by; pass interface= (--interface)")
         return str(address)
 
-    def notebook_host(self, client: Any, probes: dict[int, Any]) -> str:
+    def notebook_host(self, client: Any, probes: dict[int, ProbeReply]) -> str:
         """Where the notebook's end listens: loopback on one host; else this host's address on
         --interface, the controller's when it runs here, or the one it reaches a rank by."""
         if not self.spans_hosts:
@@ -72,8 +74,8 @@ class Rendezvous:
         if controller in {a for found in net.ipv4_addresses().values() for a in found}:
             return str(controller)
         for probe in probes.values():
-            if probe.get("route_address"):
-                return net.route_source(str(probe["route_address"]))
+            if probe.route_address:
+                return net.route_source(str(probe.route_address))
         raise ClusterStartError("could not tell which address of this host the ranks reach it by; "
                                 "pass interface= (--interface)")
 
@@ -95,16 +97,16 @@ class Rendezvous:
             ) from None
 
 
-def _probe_address(probe: dict[str, Any], interface: str | None) -> str | None:
-    found = (probe.get("addresses", {}).get(interface, []) if interface is not None
-             else [probe.get("route_address")])
+def _probe_address(probe: ProbeReply, interface: str | None) -> str | None:
+    found = (probe.addresses.get(interface, []) if interface is not None
+             else [probe.route_address])
     return str(found[0]) if found and found[0] else None
 
 
-def is_local_engine(probe: dict[str, Any]) -> bool:
+def is_local_engine(probe: ProbeReply) -> bool:
     """Same machine (hostname and boot id) and the PID really is that engine here."""
-    return (probe.get("host") == socket.gethostname() and probe.get("boot_id") == net.boot_id()
-            and same_process(int(probe["pid"]), float(probe["create_time"])) is not None)
+    return (probe.host == socket.gethostname() and probe.boot_id == net.boot_id()
+            and same_process(probe.pid, probe.create_time) is not None)
 
 
 def controller_host(client: Any) -> str | None:

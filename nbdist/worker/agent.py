@@ -1,5 +1,5 @@
 """The rank's telemetry thread: what its providers report (``"memory"``, ``"where"``...; None:
-nothing new) goes out as a ``data_message`` under ``"nbdist"``, attributed to the running cell."""
+nothing new) goes out as a `Telemetry` message, attributed to the running cell."""
 
 from __future__ import annotations
 
@@ -11,11 +11,10 @@ from collections.abc import Callable
 from typing import Any
 
 from nbdist.config import InternalConfig, TelemetryConfig
+from nbdist.protocol.wire import TELEMETRY_KEY
 from nbdist.worker.thread_device import bind_thread, cuda_index
 
 Provider = Callable[[], Any]
-
-TELEMETRY_KEY = "nbdist"
 
 # the least spacing of payloads prompted by log(): a fast loop's records go out in batches
 LOG_SPACING = InternalConfig.telemetry_log_spacing

@@ -11,6 +11,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nbdist.protocol.handshake import ProbeReply
+from nbdist.protocol.wire import VERSION as PROTOCOL
+from nbdist.protocol.wire import ProtocolError
 from nbdist.worker import (
     collectives,
     flight_recorder,
@@ -24,10 +27,11 @@ from nbdist.worker import (
 )
 from nbdist.worker.agent import TelemetryAgent
 from nbdist.worker.breakpoints import install as install_breakpoint_hook
-from nbdist.worker.cell_channel import open_channel
+from nbdist.worker.cell_channel import open_channel, send_telemetry
 from nbdist.worker.metrics import TIMING, install_metrics, install_step_timing
 from nbdist.worker.pinning import pin_device
 from nbdist.worker.rank_memory import apply_memory_limit, install_memory_sampler, lifted
+from nbdist.worker.rank_service import command, load_command_modules
 from nbdist.worker.setup_message import RankReady, RankSetup
 from nbdist.worker.thread_device import bind_thread
 
@@ -45,34 +49,33 @@ LOCAL_ID_VARS = ("SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID
                  "PMI_LOCAL_RANK")
 
 
-def probe(peer: str | None = None) -> dict[str, Any]:
+def probe(peer: str | None = None, notebook_protocol: int | None = None) -> ProbeReply:
     """What this engine is; for a multi-host rendezvous also the address and interface it reaches
-    `peer` by."""
+    `peer` by. The notebook compares the protocol it names with its own."""
     import psutil
     import torch
+
+    from nbdist._version import __version__
+
+    if notebook_protocol is not None and notebook_protocol != PROTOCOL:  # the notebook says so
+        print(f"nbdist: the notebook speaks protocol {notebook_protocol}, this rank {PROTOCOL}",
+              file=sys.stderr)
 
     me = psutil.Process()
     gpu_count = torch.cuda.device_count()  # 0 without CUDA
     affinity = sorted(os.sched_getaffinity(0))
     route_address, route_interface = net.route_to(peer) if peer else (None, None)
-    return {
-        "boot_id": net.boot_id(),
-        "addresses": net.ipv4_addresses(),
-        "route_address": route_address,
-        "route_interface": route_interface,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "create_time": me.create_time(),
-        "children": [(c.pid, c.create_time()) for c in me.children(recursive=True)],
-        "gpu_count": gpu_count,
-        "gpu_uuids": gpu_uuids(gpu_count),
-        "local_id": launcher_local_id(os.environ),
-        "cpu_count": len(affinity) or os.cpu_count(),
-        "cpu_affinity": affinity,
-        "torch": str(torch.__version__),  # a TorchVersion would import torch in the notebook
-        "release_signal": int(release.RELEASE_SIGNAL) if release.INSTALLED else None,
-        "report_signal": release.REPORT_SIGNAL if release.INSTALLED else None,
-    }
+    return ProbeReply(
+        protocol=PROTOCOL, nbdist=__version__, host=socket.gethostname(), boot_id=net.boot_id(),
+        pid=os.getpid(), create_time=me.create_time(),
+        children=tuple((c.pid, c.create_time()) for c in me.children(recursive=True)),
+        addresses=net.ipv4_addresses(), route_address=route_address,
+        route_interface=route_interface, gpu_count=gpu_count,
+        gpu_uuids=tuple(gpu_uuids(gpu_count)), local_id=launcher_local_id(os.environ),
+        cpu_count=len(affinity) or os.cpu_count(), cpu_affinity=tuple(affinity),
+        torch=str(torch.__version__),
+        release_signal=int(release.RELEASE_SIGNAL) if release.INSTALLED else None,
+        report_signal=release.REPORT_SIGNAL if release.INSTALLED else None)
 
 
 def gpu_uuids(count: int) -> list[str]:
@@ -98,6 +101,9 @@ def setup_rank(setup: RankSetup) -> RankReady:
     from IPython import get_ipython
 
     spec, config = setup.spec, setup.config
+    if setup.protocol != PROTOCOL:
+        raise ProtocolError(f"the notebook speaks nbdist protocol {setup.protocol}, this rank "
+                            f"{PROTOCOL}: install the same nbdist on every host")
     RUNTIME.setup = setup
     os.environ.update(spec.env(setup.master_addr, setup.port))
     os.environ["OMP_NUM_THREADS"] = str(setup.threads)
@@ -124,6 +130,7 @@ def setup_rank(setup: RankSetup) -> RankReady:
     for event, hook in (("pre_run_cell", _pre_run_cell), ("post_run_cell", _post_run_cell)):
         if hook not in shell.events.callbacks[event]:
             shell.events.register(event, hook)
+    load_command_modules()  # their commands, before the first call can name one
     endpoint = open_channel(spec.rank, setup.channel, config.internal.orphan_kill_grace)
     process_group.init_generation(setup)
     # last: torch, the engine and the group are the baseline the budget is counted from
@@ -160,7 +167,7 @@ def _start_telemetry(shell: Any, rank: int, config: Any, device: Any) -> Telemet
     if RUNTIME.agent is not None:  # a previous setup's
         RUNTIME.agent.stop()
     agent = TelemetryAgent(
-        rank, config.telemetry.telemetry_interval, shell.data_pub.publish_data,
+        rank, config.telemetry.telemetry_interval, send_telemetry,
         log_spacing=config.internal.telemetry_log_spacing,
         start_delay=config.internal.telemetry_start_delay,
         collective_interval=config.telemetry.collective_report_interval, device=device)
@@ -231,9 +238,10 @@ def rebuild_process_group(port: int, generation: int, master_addr: str,
 
 
 # closes this rank's group so peers blocked on it fail now instead of at the timeout
-teardown_process_group = process_group.teardown
+teardown_process_group = command("group.teardown", main_thread=True)(process_group.teardown)
 
 
+@command("cell.report", main_thread=True)
 def cell_report() -> dict[str, Any]:
     """After a cell: the collective the rank failed in, the count, the group's state and, from
     the flight recorder, per group the collective the rank last entered."""
@@ -249,6 +257,7 @@ def cell_report() -> dict[str, Any]:
     }
 
 
+@command("collectives.recent", main_thread=True)
 def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective]:
     """The last `limit` collectives this rank entered: torch's flight recorder where it can be
     read, else those its cells called (nbdist's own record)."""
@@ -257,7 +266,8 @@ def recent_collectives(limit: int) -> list[flight_recorder.EnteredCollective]:
     return collectives.TRACKER.entries()[-limit:]
 
 
-collectives_trace = flight_recorder.analyser_trace  # the rank's trace for torch's analyser
+# the rank's trace for torch's analyser
+collectives_trace = command("collectives.trace", main_thread=True)(flight_recorder.analyser_trace)
 
 
 def shutdown_rank() -> None:

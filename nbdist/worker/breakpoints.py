@@ -1,5 +1,6 @@
-"""``breakpoint()`` on a rank: a pdb whose prompt travels to the notebook as telemetry and whose
-commands come back over the cell channel (the notebook half: `nbdist.cells.breakpoints`)."""
+"""``breakpoint()`` on a rank: a pdb whose output and prompt travel to the notebook as a `Prompt`
+and whose commands come back as an `Answer`, over the cell channel (the notebook half:
+`nbdist.cells.breakpoints`)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import itertools
 import os
 import sys
 import threading
-import time
 from typing import Any
 
+from nbdist.protocol.wire import Prompt
 from nbdist.worker import cell_channel
 from nbdist.worker.post_mortem import CapturedPdb
 
@@ -72,13 +73,13 @@ class RankPdb(CapturedPdb):
             self.publish(text, None)
 
     def publish(self, text: str, seq: str | None) -> None:
+        server = cell_channel.SERVER
+        if server is None:
+            return
         for stream in (sys.stdout, sys.stderr):  # the cell's own output first, then pdb's
             with contextlib.suppress(Exception):
                 stream.flush()
-        self.agent.send({"rank": self.agent.rank, "t": time.time(), "reason": "debug",
-                         "cell": self.agent.cell_id, "debug": {
-                             "text": text, "prompt": None if seq is None else self.prompt,
-                             "seq": seq}})
+        server.send(Prompt(text, seq, None if seq is None else self.prompt))
 
     def readline(self) -> str:
         server = cell_channel.SERVER

@@ -8,10 +8,13 @@ import pickle
 from dataclasses import dataclass
 from typing import Any
 
+from nbdist.worker.rank_service import command
+
 MAX_ENTRIES = 100_000  # flattening stops there: a diff of more is not what anyone meant
 _FLAT: dict[str, Any] = {}  # the last flattened object: `fetch` sends entries without re-evaluating
 
 
+@command("diff.fingerprint", main_thread=True)
 def fingerprint_expression(expr: str, full: bool = False) -> dict[str, Any]:
     """`expr` evaluated in the rank's namespace, fingerprinted. An error comes back as {"error"}:
     raised here, `%dist_debug` would debug it instead of the failed cell."""
@@ -37,6 +40,7 @@ def fingerprint(obj: Any, full: bool = False) -> dict[str, Any]:
             "notes": sorted(notes)}
 
 
+@command("diff.fetch", main_thread=True)
 def fetch(names: list[str]) -> dict[str, Any]:
     """Those of the named entries of the last fingerprinted object this rank has (detached
     tensors: the frames bring them to the CPU). One call asks for every name a diff needs."""

@@ -10,6 +10,7 @@ import sys
 from typing import Any
 
 from nbdist.worker import process_group
+from nbdist.worker.rank_service import command as rank_command
 from nbdist.worker.tracebacks import first_cell_frame
 
 # post-mortem: the rank is never resumed, so continue means quit too
@@ -55,6 +56,7 @@ class PostMortem(CapturedPdb):
 _SESSION: PostMortem | None = None
 
 
+@rank_command("post_mortem.start", main_thread=True)
 def start() -> dict[str, Any]:
     """A session on the last failed cell: {"ok", "error", "text": its frame, or why none}."""
     global _SESSION
@@ -74,6 +76,7 @@ def start() -> dict[str, Any]:
     return {"ok": True, "error": error, "text": _SESSION.take_output()}
 
 
+@rank_command("post_mortem.command", main_thread=True)
 def command(line: str) -> dict[str, Any]:
     """One pdb command: {"text", "done"}; a quit command ends the session."""
     if _SESSION is None:
@@ -84,6 +87,7 @@ def command(line: str) -> dict[str, Any]:
     return {"text": _SESSION.run_command(line), "done": False}
 
 
+@rank_command("post_mortem.stop", main_thread=True)
 def stop() -> None:
     global _SESSION
     if _SESSION is not None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbdist.worker import collectives
+from nbdist.worker.rank_service import command
 
 MAX_EVENTS = 20_000
 """Events kept per rank and capture; beyond it the shortest nested operators are dropped first
@@ -49,6 +50,7 @@ def cell_finished() -> None:
         _ACTIVE.cell_end_us = time.time_ns() / 1000
 
 
+@command("profile.start", main_thread=True)
 def start() -> None:
     """Profile this rank's CPU (and CUDA once in use); a profile already running (a `with
     nbdist.profile()` block a failed cell left open) is stopped first."""
@@ -73,6 +75,7 @@ def start() -> None:
     collectives.TRACKER.profiling = True
 
 
+@command("profile.stop", main_thread=True)
 def stop() -> dict[str, Any] | None:
     """The running profile's capture (None if none ran), also kept as `LAST_CAPTURE`."""
     global _ACTIVE, LAST_CAPTURE
@@ -87,6 +90,7 @@ def stop() -> dict[str, Any] | None:
     return LAST_CAPTURE
 
 
+@command("profile.last", main_thread=True)
 def last_capture() -> dict[str, Any] | None:
     return LAST_CAPTURE
 

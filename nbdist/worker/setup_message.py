@@ -1,12 +1,14 @@
 """What the notebook tells a rank at set-up and what the rank answers, defined once for both
-sides: frozen dataclasses of plain types, pickled by ipyparallel."""
+sides: frozen dataclasses of plain types, pickled by ipyparallel (what the engine is, before
+this, is `nbdist.protocol.handshake.ProbeReply`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from nbdist.config import NbdistConfig
-from nbdist.worker.cell_channel import ChannelEndpoint, ChannelSetup
+from nbdist.protocol.handshake import ChannelEndpoint, ChannelSetup
+from nbdist.protocol.wire import VERSION
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,7 @@ class RankSetup:
     private_dir: str | None  # the cluster's, for a rank on this machine only (flight recorder)
     channel: ChannelSetup
     config: NbdistConfig
+    protocol: int = VERSION  # the notebook's: a rank that speaks another refuses to set up
 
     @property
     def process_group_timeout(self) -> float:

@@ -7,6 +7,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from nbdist.worker.rank_service import command
+
 DDP_OPTIONS = "_nbdist_ddp_options"  # set by nbdist.prepare on the DDP it makes: its arguments
 
 
@@ -48,6 +50,7 @@ def _model(value: Any) -> Any:
     return value.model if type(value).__name__ == "Prepared" else value
 
 
+@command("survivors.scan", main_thread=True)
 def scan() -> dict[str, list[str]]:
     """After a re-form: ``rewrap``, the names of DDP models nbdist.prepare made that still hold
     the old group; ``stale``, "name (what it is)" for every other object that does."""
@@ -67,6 +70,7 @@ def scan() -> dict[str, list[str]]:
     return {"rewrap": rewrap, "stale": stale}
 
 
+@command("survivors.rewrap", main_thread=True)
 def rewrap(names: list[str]) -> list[str]:
     """Wrap each named DDP model's module again on the current group, with the options
     nbdist.prepare gave it; every name (and nbdist.prepare result) bound to the old wrapper is

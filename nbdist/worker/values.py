@@ -5,7 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from nbdist.worker.rank_service import command
 
+
+@command("values.receive", main_thread=True)
 def receive_values(values: dict[str, Any]) -> list[str]:
     from IPython import get_ipython
 
@@ -13,6 +16,7 @@ def receive_values(values: dict[str, Any]) -> list[str]:
     return sorted(values)
 
 
+@command("values.send", main_thread=True)
 def send_values(names: list[str]) -> dict[str, Any]:
     from IPython import get_ipython
 
