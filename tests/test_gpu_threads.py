@@ -5,6 +5,7 @@ GPU half."""
 
 from __future__ import annotations
 
+import os
 import threading
 
 import pytest
@@ -37,8 +38,11 @@ no_cuda_here = pytest.mark.skipif(torch.cuda.is_available(),
 
 
 @no_cuda_here
-def test_a_telemetry_thread_binds_the_ranks_gpu_before_its_first_sample() -> None:
-    # the thread tries the rank's GPU, says torch refused it, and keeps sampling
+def test_a_telemetry_thread_binds_the_ranks_gpu_before_its_first_sample(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # the thread tries the rank's GPU, says torch refused it, and keeps sampling; a CUDA build
+    # sets CUDA_MODULE_LOADING when it tries, unless it is set already
+    monkeypatch.setenv("CUDA_MODULE_LOADING", os.environ.get("CUDA_MODULE_LOADING", "LAZY"))
     sampled = threading.Event()
     agent = TelemetryAgent(0, 0.05, lambda _payload: None, device=f"cuda:{ABSENT}")
     agent.register("probe", lambda: sampled.set())
@@ -58,6 +62,7 @@ def test_a_thread_told_no_device_takes_the_one_the_rank_was_pinned_to(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # what the release thread does: it has no agent to ask
     monkeypatch.setenv("NBDIST_DEVICE", f"cuda:{ABSENT}")
+    monkeypatch.setenv("CUDA_MODULE_LOADING", os.environ.get("CUDA_MODULE_LOADING", "LAZY"))
     bound: list[str] = []
     thread = threading.Thread(target=lambda: bound.append(thread_device.bind_thread()))
     thread.start()
@@ -168,12 +173,14 @@ finite = all(torch.isfinite(w).all().item() for w in weights())
 """
 
 
+@pytest.mark.fsdp2
 def test_fsdp_in_fp16_scales_the_loss_and_skips_an_overflowing_step(cluster_factory) -> None:
     cluster = cluster_factory(2)
     result = cluster.run(FP16_FSDP, timeout=120).raise_for_errors()
     assert result.grouped_values() == [([0, 1], "('GradScaler', True, True, True, True)")]
 
 
+@pytest.mark.fsdp2
 def test_bf16_needs_no_scaler(cluster_factory) -> None:
     cluster = cluster_factory(1)
     code = ("import nbdist\np = nbdist.prepare(torch.nn.Linear(4, 4), strategy='fsdp',\n"
