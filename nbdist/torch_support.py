@@ -46,6 +46,11 @@ FEATURES: dict[str, Feature] = {
         "the flight recorder on gloo (_dump_fr_trace)", (2, 13),
         r"AttributeError: .*has no attribute '_dump_fr_trace'",
     ),
+    # before it torch reads only TORCH_NCCL_TRACE_BUFFER_SIZE / TORCH_NCCL_DEBUG_INFO_TEMP_FILE;
+    # nothing fails without it (the older names are set), so no symptom ever matches
+    "flight-recorder-fr-names": Feature(
+        "the flight recorder's TORCH_FR_* variables", (2, 9), r"(?!)",
+    ),
 }
 
 

@@ -13,7 +13,7 @@ import types
 import pytest
 import torch
 
-from nbdist import Cluster
+from nbdist import Cluster, torch_support
 from nbdist.cells.group_health import ahead_errors, nccl_errors, out_of_step
 from nbdist.cells.whereabouts import desynchronised, waiting_on_device
 from nbdist.worker import process_group, release
@@ -31,7 +31,7 @@ def test_the_flight_recorder_names_the_running_torch_reads_reach_every_rank(
         "import os\n[os.environ.get(n) for n in ('TORCH_FR_BUFFER_SIZE', "
         "'TORCH_NCCL_TRACE_BUFFER_SIZE', 'TORCH_FR_DUMP_TEMP_FILE', "
         "'TORCH_NCCL_DEBUG_INFO_TEMP_FILE')]", timeout=30).raise_for_errors()
-    older = tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 9)
+    older = not torch_support.has("flight-recorder-fr-names")
     for rank in (0, 1):
         new_size, old_size, new_file, old_file = eval(got.value_text(rank))  # a list of str
         assert new_size == "256" and old_size == ("256" if older else None)

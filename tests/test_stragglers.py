@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from nbdist import torch_support
 from nbdist.dashboard import Dashboard
 from nbdist.dashboard.stragglers import StragglerView
 from nbdist.dashboard.svg import render_svg
@@ -94,7 +95,7 @@ class FlagWatcher:
 # On torch 2.6 DDP's first steps sometimes flag rank 1 before the slowdown (1 run in 3, at
 # ede657d as now); the explicit all_reduce variant keeps the straggler view tested there.
 DDP_ON_FLOOR = pytest.mark.skipif(
-    tuple(int(part) for part in torch.__version__.split(".")[:2]) < (2, 7),
+    torch_support.version_tuple(torch.__version__) < (2, 7),
     reason="flaky on torch 2.6: DDP's first steps can flag a rank before the slowdown")
 
 

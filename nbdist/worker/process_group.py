@@ -41,10 +41,7 @@ DUMP_FILE_VARIABLES = ("TORCH_FR_DUMP_TEMP_FILE", "TORCH_NCCL_DEBUG_INFO_TEMP_FI
 
 def flight_recorder_names(names: tuple[str, str]) -> tuple[str, ...]:
     """The names of a flight-recorder variable the running torch needs set."""
-    import torch
-
-    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
-    return names if release < (2, 9) else names[:1]
+    return names[:1] if torch_support.has("flight-recorder-fr-names") else names
 
 # some torch releases crash building a DDP model under TORCH_DISTRIBUTED_DEBUG=DETAIL
 DDP_PROBE = """
